@@ -1,0 +1,157 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Pooling(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POOLING_DEFAULT: _ClassVar[Pooling]
+    POOLING_MEAN: _ClassVar[Pooling]
+    POOLING_CLS: _ClassVar[Pooling]
+    POOLING_LAST_TOKEN: _ClassVar[Pooling]
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+
+class Normalize(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NORMALIZE_DEFAULT: _ClassVar[Normalize]
+    NORMALIZE_ON: _ClassVar[Normalize]
+    NORMALIZE_OFF: _ClassVar[Normalize]
+
+class Activation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACTIVATION_DEFAULT: _ClassVar[Activation]
+    ACTIVATION_NONE: _ClassVar[Activation]
+    ACTIVATION_SIGMOID: _ClassVar[Activation]
+
+class ModelKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_KIND_UNSPECIFIED: _ClassVar[ModelKind]
+    MODEL_KIND_EMBEDDING: _ClassVar[ModelKind]
+    MODEL_KIND_CROSS_ENCODER: _ClassVar[ModelKind]
+    MODEL_KIND_GENERATOR: _ClassVar[ModelKind]
+POOLING_DEFAULT: Pooling
+POOLING_MEAN: Pooling
+POOLING_CLS: Pooling
+POOLING_LAST_TOKEN: Pooling
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT16: DType
+NORMALIZE_DEFAULT: Normalize
+NORMALIZE_ON: Normalize
+NORMALIZE_OFF: Normalize
+ACTIVATION_DEFAULT: Activation
+ACTIVATION_NONE: Activation
+ACTIVATION_SIGMOID: Activation
+MODEL_KIND_UNSPECIFIED: ModelKind
+MODEL_KIND_EMBEDDING: ModelKind
+MODEL_KIND_CROSS_ENCODER: ModelKind
+MODEL_KIND_GENERATOR: ModelKind
+
+class TokenBatch(_message.Message):
+    __slots__ = ("ids", "lengths")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    ids: bytes
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[bytes] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "shape", "dtype")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    def __init__(self, data: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("queue_us", "inference_us")
+    QUEUE_US_FIELD_NUMBER: _ClassVar[int]
+    INFERENCE_US_FIELD_NUMBER: _ClassVar[int]
+    queue_us: int
+    inference_us: int
+    def __init__(self, queue_us: _Optional[int] = ..., inference_us: _Optional[int] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("inputs", "pooling", "normalize", "dimensions", "dtype")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    inputs: TokenBatch
+    pooling: Pooling
+    normalize: Normalize
+    dimensions: int
+    dtype: DType
+    def __init__(self, inputs: _Optional[_Union[TokenBatch, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[_Union[Normalize, str]] = ..., dimensions: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "prompt_tokens", "timing")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    embeddings: Tensor
+    prompt_tokens: int
+    timing: Timing
+    def __init__(self, embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("pairs", "first_segment_lengths", "activation")
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEGMENT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    pairs: TokenBatch
+    first_segment_lengths: _containers.RepeatedScalarFieldContainer[int]
+    activation: Activation
+    def __init__(self, pairs: _Optional[_Union[TokenBatch, _Mapping]] = ..., first_segment_lengths: _Optional[_Iterable[int]] = ..., activation: _Optional[_Union[Activation, str]] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores", "prompt_tokens", "timing")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    scores: Tensor
+    prompt_tokens: int
+    timing: Timing
+    def __init__(self, scores: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("model_name", "kind", "dimensions", "max_input_tokens", "vocab_size", "num_labels", "default_pooling", "default_normalize", "query_prompt", "document_prompt", "device", "dtype")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LABELS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_POOLING_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    QUERY_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    kind: ModelKind
+    dimensions: int
+    max_input_tokens: int
+    vocab_size: int
+    num_labels: int
+    default_pooling: Pooling
+    default_normalize: bool
+    query_prompt: str
+    document_prompt: str
+    device: str
+    dtype: str
+    def __init__(self, model_name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., dimensions: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_labels: _Optional[int] = ..., default_pooling: _Optional[_Union[Pooling, str]] = ..., default_normalize: _Optional[bool] = ..., query_prompt: _Optional[str] = ..., document_prompt: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""tulip package."""
