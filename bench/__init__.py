@@ -1,0 +1,1 @@
+"""Trellis benchmarks. `python -m bench [NAME ...]` runs them; results go to bench/results/."""
