@@ -1,13 +1,48 @@
-//! Placeholder: the Unigram tokenizer lands with issue 3.
+//! A Unigram (SentencePiece) tokenizer that loads Hugging Face `tokenizer.json` files and
+//! produces exactly the ids HF `tokenizers` produces, fast and without allocating.
+//!
+//! Main types: [`Tokenizer`] (immutable, shared across threads) and [`Scratch`]
+//! (caller-owned working memory, one per thread). See `tokenizer/DESIGN.md` for the trie
+//! layout, the Viterbi lattice and the normalizer.
+//!
+//! ```no_run
+//! use trellis_tokenizer::{Scratch, Tokenizer};
+//! let tok = Tokenizer::from_file("tokenizer.json").unwrap();
+//! let mut scratch = Scratch::new();
+//! let mut ids = Vec::new();
+//! tok.encode_into("Hello, my dog is cute", true, None, &mut scratch, &mut ids).unwrap();
+//! assert_eq!(tok.decode(&ids, true), "Hello, my dog is cute");
+//! ```
 #![deny(missing_docs)]
 
-#[cfg(feature = "python")]
-use pyo3::prelude::*;
+mod added;
+mod charsmap;
+mod error;
+mod load;
+mod normalizer;
+mod pages;
+mod tokenizer;
+mod trie;
+mod unigram;
 
-/// The Python extension module `tokenizer._native`.
 #[cfg(feature = "python")]
-#[pymodule]
-fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    Ok(())
+mod python;
+
+pub use error::Error;
+pub use pages::PageKind;
+pub use tokenizer::{Encoding, Scratch, Tokenizer};
+pub use unigram::{Unigram, ViterbiScratch};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exported_types_are_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<Tokenizer>();
+        check::<Scratch>();
+        check::<Unigram>();
+        check::<Error>();
+    }
 }

@@ -1,0 +1,149 @@
+"""The Python API of `tokenizer` beyond parity: errors, argument checking, packed
+outputs, pairs and thread safety."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tokenizers
+
+from rose.assets import ensure_model
+from tokenizer import Tokenizer, TokenizerError
+
+
+@pytest.fixture(scope="session")
+def xlmr_path() -> str:
+    return str(Path(ensure_model("xlmr-tokenizer")) / "tokenizer.json")
+
+
+@pytest.fixture(scope="session")
+def tok(xlmr_path: str) -> Tokenizer:
+    return Tokenizer.from_file(xlmr_path)
+
+
+def test_tokenizer_error_is_a_value_error() -> None:
+    assert issubclass(TokenizerError, ValueError)
+
+
+def test_wordpiece_is_refused_by_name() -> None:
+    path = Path(ensure_model("all-minilm-l6-v2")) / "tokenizer.json"
+    with pytest.raises(TokenizerError, match="WordPiece"):
+        Tokenizer.from_file(str(path))
+
+
+def test_missing_file_raises(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerError, match="cannot read"):
+        Tokenizer.from_file(str(tmp_path / "nope.json"))
+
+
+@pytest.mark.parametrize(
+    ("edit", "component"),
+    [
+        (lambda d: d["normalizer"]["normalizers"].append({"type": "NFKC"}), "NFKC"),
+        (lambda d: d.__setitem__("pre_tokenizer", {"type": "ByteLevel"}), "ByteLevel"),
+        (lambda d: d.__setitem__("post_processor", {"type": "BertProcessing"}), "BertProcessing"),
+        (lambda d: d["model"].__setitem__("byte_fallback", True), "byte_fallback"),
+        (
+            lambda d: d["normalizer"]["normalizers"].append(
+                {"type": "Replace", "pattern": {"Regex": "\\s+"}, "content": " "}
+            ),
+            "Replace",
+        ),
+        (lambda d: d.__setitem__("truncation", {"max_length": 8}), "truncation"),
+    ],
+)
+def test_unsupported_components_are_named(
+    xlmr_path: str, tmp_path: Path, edit: object, component: str
+) -> None:
+    data = json.loads(Path(xlmr_path).read_text(encoding="utf-8"))
+    edit(data)  # type: ignore[operator]
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    with pytest.raises(TokenizerError, match=component):
+        Tokenizer.from_file(str(path))
+
+
+def test_wrong_argument_types_raise_type_error(tok: Tokenizer) -> None:
+    bad_calls = [
+        lambda: tok.encode(b"bytes"),
+        lambda: tok.encode(None),
+        lambda: tok.encode(3),
+        lambda: tok.encode("x", add_special_tokens="yes"),
+        lambda: tok.encode("x", max_length="8"),
+        lambda: tok.encode_batch("not a list"),
+        lambda: tok.encode_batch(["ok", 3]),
+        lambda: tok.encode_batch([b"bytes"]),
+        lambda: tok.encode_batch_packed(None),
+        lambda: tok.encode_pair("a", None),
+        lambda: tok.encode_pairs_packed("q", "not a list"),
+        lambda: tok.encode_pairs_packed(None, ["d"]),
+        lambda: tok.decode("0 1 2"),
+        lambda: tok.decode([0, "1"]),
+        lambda: tok.token_to_id(5),
+        lambda: Tokenizer.from_file(None),
+    ]
+    for call in bad_calls:
+        with pytest.raises(TypeError):
+            call()
+
+
+def test_max_length_below_template_raises(tok: Tokenizer) -> None:
+    with pytest.raises(TokenizerError, match="max_length"):
+        tok.encode("hello", max_length=1)
+    with pytest.raises(TokenizerError):
+        tok.encode_pair("a long first segment here", "b", max_length=5)
+
+
+def test_packed_layout(tok: Tokenizer) -> None:
+    texts = ["Hello, my dog is cute", "", "日本語", "a b c d e f"]
+    ids, lengths = tok.encode_batch_packed(texts, max_length=5)
+    assert ids.dtype == np.uint32 and lengths.dtype == np.uint32
+    assert ids.flags["C_CONTIGUOUS"]
+    assert len(lengths) == len(texts) and int(lengths.sum()) == len(ids)
+    expected = tok.encode_batch(texts, max_length=5)
+    assert lengths.tolist() == [len(e) for e in expected]
+    assert ids.tolist() == [i for e in expected for i in e]
+    assert np.frombuffer(ids.tobytes(), dtype="<u4").tolist() == ids.tolist()
+    empty_ids, empty_lengths = tok.encode_batch_packed([])
+    assert len(empty_ids) == 0 and len(empty_lengths) == 0
+
+
+def test_batch_equals_single_and_tuple_input(tok: Tokenizer) -> None:
+    texts = [f"document {i} " + "word " * (i % 50) for i in range(500)]
+    assert tok.encode_batch(texts) == [tok.encode(t) for t in texts]
+    assert tok.encode_batch(tuple(texts)) == tok.encode_batch(texts)
+
+
+def test_vocab_lookups_match_hf(tok: Tokenizer, xlmr_path: str) -> None:
+    hf = tokenizers.Tokenizer.from_file(xlmr_path)
+    assert tok.vocab_size == hf.get_vocab_size()
+    for token in ["<s>", "<mask>", "▁Hello", ",", "not-a-token-xyz"]:
+        assert tok.token_to_id(token) == hf.token_to_id(token)
+    for i in [0, 1, 2, 3, 4, 35378, 250001, 10**7]:
+        assert tok.id_to_token(i) == hf.id_to_token(i)
+
+
+def test_page_kind_is_reported(tok: Tokenizer) -> None:
+    assert tok.page_kind in {"hugetlb", "thp", "normal"}
+
+
+def test_concurrent_threads_agree(tok: Tokenizer) -> None:
+    texts = [("ärger über 日本 " * (1 + i % 7)) * 40 for i in range(64)]
+    expected = [tok.encode(t) for t in texts]
+    results: list[list[list[int]]] = []
+
+    def work() -> None:
+        results.append([tok.encode(t) for t in texts] + tok.encode_batch(texts))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4
+    for r in results:
+        assert r == expected + expected

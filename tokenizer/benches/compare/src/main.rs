@@ -1,0 +1,122 @@
+//! One-thread latency of Trellis' tokenizer against HF's `tokenizers` crate on the same
+//! tokenizer.json and texts, with heap allocations counted over the measured window.
+//!
+//! `compare TOKENIZER_JSON TEXTS_JSONL [ours|hf|both] [rounds]` prints one JSON object
+//! per line. Under callgrind, `--toggle-collect=*measured_*` counts only the encode loops.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Instant;
+
+use trellis_tokenizer::{Scratch, Tokenizer};
+
+struct Counting;
+static ALLOCS: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator; only counts calls.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: caller's contract.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: caller's contract.
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
+        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: caller's contract.
+        unsafe { System.realloc(p, l, n) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+#[inline(never)]
+fn measured_ours(
+    tok: &Tokenizer,
+    texts: &[String],
+    s: &mut Scratch,
+    out: &mut Vec<u32>,
+    times: &mut Vec<u64>,
+) -> usize {
+    let mut n = 0;
+    for t in texts {
+        let t0 = Instant::now();
+        tok.encode_into(t, true, None, s, out).unwrap();
+        times.push(t0.elapsed().as_nanos() as u64);
+        n += black_box(out.len());
+    }
+    n
+}
+
+#[inline(never)]
+fn measured_hf(tok: &tokenizers::Tokenizer, texts: &[String], times: &mut Vec<u64>) -> usize {
+    let mut n = 0;
+    for t in texts {
+        let t0 = Instant::now();
+        let e = tok.encode(t.as_str(), true).unwrap();
+        times.push(t0.elapsed().as_nanos() as u64);
+        n += black_box(e.get_ids().len());
+    }
+    n
+}
+
+fn pct(times: &mut [u64], p: f64) -> f64 {
+    times.sort_unstable();
+    let i = ((times.len() as f64 - 1.0) * p).round() as usize;
+    times[i] as f64 / 1000.0
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let (json, texts_path) = (&args[1], &args[2]);
+    let which = args.get(3).map_or("both", String::as_str);
+    let rounds: usize = args.get(4).map_or(3, |r| r.parse().unwrap());
+    let texts: Vec<String> = std::fs::read_to_string(texts_path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    if which != "hf" {
+        let tok = Tokenizer::from_file(json).unwrap();
+        let (mut s, mut out) = (Scratch::new(), Vec::new());
+        let mut times = Vec::with_capacity(texts.len() * rounds);
+        // Warm-up (outside the measured functions): the scratch grows to the inputs.
+        for t in &texts {
+            tok.encode_into(t, true, None, &mut s, &mut out).unwrap();
+        }
+        let before = ALLOCS.load(Ordering::Relaxed);
+        let mut tokens = 0;
+        for _ in 0..rounds {
+            tokens = measured_ours(&tok, &texts, &mut s, &mut out, &mut times);
+        }
+        let allocs = ALLOCS.load(Ordering::Relaxed) - before;
+        println!(
+            "{{\"impl\":\"ours\",\"texts\":{},\"tokens\":{},\"p50_us\":{:.2},\"p99_us\":{:.2},\"allocs_per_call\":{:.3},\"pages\":\"{}\"}}",
+            texts.len(), tokens / texts.len(), pct(&mut times, 0.5), pct(&mut times, 0.99),
+            allocs as f64 / (texts.len() * rounds) as f64, tok.page_kind()
+        );
+    }
+    if which != "ours" {
+        let tok = tokenizers::Tokenizer::from_file(json).unwrap();
+        let mut times = Vec::with_capacity(texts.len() * rounds);
+        for t in &texts {
+            black_box(tok.encode(t.as_str(), true).unwrap());
+        }
+        let before = ALLOCS.load(Ordering::Relaxed);
+        let mut tokens = 0;
+        for _ in 0..rounds {
+            tokens = measured_hf(&tok, &texts, &mut times);
+        }
+        let allocs = ALLOCS.load(Ordering::Relaxed) - before;
+        println!(
+            "{{\"impl\":\"hf\",\"texts\":{},\"tokens\":{},\"p50_us\":{:.2},\"p99_us\":{:.2},\"allocs_per_call\":{:.3}}}",
+            texts.len(), tokens / texts.len(), pct(&mut times, 0.5), pct(&mut times, 0.99),
+            allocs as f64 / (texts.len() * rounds) as f64
+        );
+    }
+}

@@ -1,0 +1,358 @@
+//! The Python extension module `tokenizer._native` (pyo3).
+//!
+//! Errors from the crate become `TokenizerError` (a `ValueError`) here and only here.
+//! Batch calls release the GIL and run over rayon's pool with one [`Scratch`] per
+//! worker thread; single calls release the GIL when the input is long.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+
+use numpy::{PyArray1, PyArrayMethods};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyString, PyTuple};
+use rayon::prelude::*;
+
+use crate::{Error, Scratch, Tokenizer};
+
+pyo3::create_exception!(
+    _native,
+    TokenizerError,
+    PyValueError,
+    "A tokenizer file could not be loaded or an input could not be encoded."
+);
+
+/// Inputs at least this long (bytes) are encoded with the GIL released.
+const RELEASE_GIL_BYTES: usize = 4096;
+
+thread_local! {
+    /// Per-thread working memory, reused across calls on this thread.
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::new());
+}
+
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut s) => f(&mut s),
+        Err(_) => f(&mut Scratch::new()),
+    })
+}
+
+fn to_py(e: Error) -> PyErr {
+    TokenizerError::new_err(e.to_string())
+}
+
+/// Borrows the strings of a list or tuple of `str` (anything else: `TypeError`).
+fn str_items<'a, 'py>(
+    seq: &'a Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<Vec<Bound<'py, PyString>>> {
+    let items: Vec<Bound<'py, PyAny>> = if let Ok(l) = seq.cast::<PyList>() {
+        l.iter().collect()
+    } else if let Ok(t) = seq.cast::<PyTuple>() {
+        t.iter().collect()
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "{what} must be a list or tuple of str, not {}",
+            seq.get_type().name()?
+        )));
+    };
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, it)| {
+            it.cast_into::<PyString>().map_err(|e| {
+                PyTypeError::new_err(format!(
+                    "{what}[{i}] must be str, not {}",
+                    e.into_inner()
+                        .get_type()
+                        .name()
+                        .map(|n| n.to_string())
+                        .unwrap_or_default()
+                ))
+            })
+        })
+        .collect()
+}
+
+fn as_strs<'a>(items: &'a [Bound<'_, PyString>]) -> PyResult<Vec<&'a str>> {
+    items.iter().map(|s| s.to_str()).collect()
+}
+
+/// Ids and lengths of a packed batch.
+type Packed = (Vec<u32>, Vec<u32>);
+/// A packed uint32 numpy array.
+type U32Array<'py> = Bound<'py, PyArray1<u32>>;
+
+/// Encodes `texts` in parallel into one flat id buffer plus per-text lengths.
+fn encode_packed(
+    tok: &Tokenizer,
+    texts: &[&str],
+    add_special_tokens: bool,
+    max_length: Option<usize>,
+) -> Result<(Vec<u32>, Vec<u32>), Error> {
+    let chunk = texts
+        .len()
+        .div_ceil(rayon::current_num_threads() * 4)
+        .max(1);
+    let parts: Vec<Result<Packed, Error>> = texts
+        .par_chunks(chunk)
+        .map(|chunk| {
+            with_scratch(|s| {
+                let mut ids = Vec::new();
+                let mut lengths = Vec::with_capacity(chunk.len());
+                let mut one = Vec::new();
+                for t in chunk {
+                    tok.encode_into(t, add_special_tokens, max_length, s, &mut one)?;
+                    ids.extend_from_slice(&one);
+                    lengths.push(one.len() as u32);
+                }
+                Ok((ids, lengths))
+            })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    let mut lengths = Vec::with_capacity(texts.len());
+    for p in parts {
+        let (i, l) = p?;
+        ids.extend_from_slice(&i);
+        lengths.extend_from_slice(&l);
+    }
+    Ok((ids, lengths))
+}
+
+/// A Unigram tokenizer loaded from a Hugging Face `tokenizer.json`.
+#[pyclass(name = "Tokenizer", module = "tokenizer._native", frozen)]
+struct PyTokenizer {
+    inner: Arc<Tokenizer>,
+}
+
+#[pymethods]
+impl PyTokenizer {
+    /// Loads `path`; raises TokenizerError naming any unsupported component.
+    #[staticmethod]
+    fn from_file(py: Python<'_>, path: &str) -> PyResult<Self> {
+        let path = path.to_owned();
+        let tok = py
+            .detach(move || Tokenizer::from_file(&path))
+            .map_err(to_py)?;
+        Ok(Self {
+            inner: Arc::new(tok),
+        })
+    }
+
+    /// Number of distinct tokens, added tokens included.
+    #[getter]
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+
+    /// Which pages back the trie: "hugetlb", "thp" or "normal".
+    #[getter]
+    fn page_kind(&self) -> String {
+        self.inner.page_kind().to_string()
+    }
+
+    fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    fn id_to_token(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id).map(str::to_owned)
+    }
+
+    #[pyo3(signature = (text, add_special_tokens=true, max_length=None))]
+    fn encode(
+        &self,
+        py: Python<'_>,
+        text: &str,
+        add_special_tokens: bool,
+        max_length: Option<usize>,
+    ) -> PyResult<Vec<u32>> {
+        let tok = &*self.inner;
+        let run = || {
+            with_scratch(|s| {
+                let mut out = Vec::new();
+                tok.encode_into(text, add_special_tokens, max_length, s, &mut out)
+                    .map(|()| out)
+            })
+        };
+        let r = if text.len() >= RELEASE_GIL_BYTES {
+            py.detach(run)
+        } else {
+            run()
+        };
+        r.map_err(to_py)
+    }
+
+    #[pyo3(signature = (texts, add_special_tokens=true, max_length=None))]
+    fn encode_batch(
+        &self,
+        py: Python<'_>,
+        texts: &Bound<'_, PyAny>,
+        add_special_tokens: bool,
+        max_length: Option<usize>,
+    ) -> PyResult<Vec<Vec<u32>>> {
+        let items = str_items(texts, "texts")?;
+        let strs = as_strs(&items)?;
+        let tok = &*self.inner;
+        py.detach(|| {
+            strs.par_iter()
+                .map(|t| {
+                    with_scratch(|s| {
+                        let mut out = Vec::new();
+                        tok.encode_into(t, add_special_tokens, max_length, s, &mut out)
+                            .map(|()| out)
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .map_err(to_py)
+    }
+
+    #[pyo3(signature = (texts, add_special_tokens=true, max_length=None))]
+    fn encode_batch_packed<'py>(
+        &self,
+        py: Python<'py>,
+        texts: &Bound<'py, PyAny>,
+        add_special_tokens: bool,
+        max_length: Option<usize>,
+    ) -> PyResult<(U32Array<'py>, U32Array<'py>)> {
+        let items = str_items(texts, "texts")?;
+        let strs = as_strs(&items)?;
+        let tok = &*self.inner;
+        let (ids, lengths) = py
+            .detach(|| encode_packed(tok, &strs, add_special_tokens, max_length))
+            .map_err(to_py)?;
+        Ok((PyArray1::from_vec(py, ids), PyArray1::from_vec(py, lengths)))
+    }
+
+    #[pyo3(signature = (a, b, add_special_tokens=true, max_length=None))]
+    fn encode_pair(
+        &self,
+        py: Python<'_>,
+        a: &str,
+        b: &str,
+        add_special_tokens: bool,
+        max_length: Option<usize>,
+    ) -> PyResult<Vec<u32>> {
+        let tok = &*self.inner;
+        let run = || {
+            with_scratch(|s| {
+                let mut out = Vec::new();
+                tok.encode_pair_into(a, b, add_special_tokens, max_length, s, &mut out)
+                    .map(|_| out)
+            })
+        };
+        let r = if a.len() + b.len() >= RELEASE_GIL_BYTES {
+            py.detach(run)
+        } else {
+            run()
+        };
+        r.map_err(to_py)
+    }
+
+    #[pyo3(signature = (query, documents, max_length=None))]
+    fn encode_pairs_packed<'py>(
+        &self,
+        py: Python<'py>,
+        query: &str,
+        documents: &Bound<'py, PyAny>,
+        max_length: Option<usize>,
+    ) -> PyResult<(U32Array<'py>, U32Array<'py>, U32Array<'py>)> {
+        let items = str_items(documents, "documents")?;
+        let docs = as_strs(&items)?;
+        let tok = &*self.inner;
+        let chunk = docs.len().div_ceil(rayon::current_num_threads() * 4).max(1);
+        type Part = Result<(Vec<u32>, Vec<u32>, Vec<u32>), Error>;
+        let parts: Vec<Part> = py.detach(|| {
+            docs.par_chunks(chunk)
+                .map(|chunk| {
+                    with_scratch(|s| {
+                        let (mut ids, mut lens, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
+                        let mut one = Vec::new();
+                        for d in chunk {
+                            let first =
+                                tok.encode_pair_into(query, d, true, max_length, s, &mut one)?;
+                            ids.extend_from_slice(&one);
+                            lens.push(one.len() as u32);
+                            firsts.push(first as u32);
+                        }
+                        Ok((ids, lens, firsts))
+                    })
+                })
+                .collect()
+        });
+        let (mut ids, mut lens, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
+        for p in parts {
+            let (i, l, f) = p.map_err(to_py)?;
+            ids.extend_from_slice(&i);
+            lens.extend_from_slice(&l);
+            firsts.extend_from_slice(&f);
+        }
+        Ok((
+            PyArray1::from_vec(py, ids),
+            PyArray1::from_vec(py, lens),
+            PyArray1::from_vec(py, firsts),
+        ))
+    }
+
+    #[pyo3(signature = (text, add_special_tokens=true))]
+    fn encode_with_offsets(
+        &self,
+        py: Python<'_>,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> (Vec<u32>, Vec<(usize, usize)>) {
+        let tok = &*self.inner;
+        py.detach(|| {
+            let enc = tok.encode_with_offsets(text, add_special_tokens);
+            // Byte offsets → character offsets (Python indexes str by code point).
+            let mut char_at = vec![0usize; text.len() + 1];
+            let mut n = 0;
+            for (i, _) in text.char_indices() {
+                char_at[i] = n;
+                n += 1;
+            }
+            char_at[text.len()] = n;
+            let offsets = enc
+                .offsets
+                .iter()
+                .map(|&(s, e)| (char_at[s], char_at[e]))
+                .collect();
+            (enc.ids, offsets)
+        })
+    }
+
+    #[pyo3(signature = (ids, skip_special_tokens=true))]
+    fn decode(&self, ids: &Bound<'_, PyAny>, skip_special_tokens: bool) -> PyResult<String> {
+        if ids.is_instance_of::<PyString>() {
+            return Err(PyTypeError::new_err(
+                "ids must be a sequence of int, not str",
+            ));
+        }
+        let ids: Vec<u32> = if let Ok(arr) = ids.cast::<PyArray1<u32>>() {
+            arr.to_vec()
+                .map_err(|e| PyTypeError::new_err(e.to_string()))?
+        } else {
+            ids.extract()?
+        };
+        Ok(self.inner.decode(&ids, skip_special_tokens))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Tokenizer(vocab_size={}, pages={})",
+            self.inner.vocab_size(),
+            self.inner.page_kind()
+        )
+    }
+}
+
+/// The Python extension module `tokenizer._native`.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<PyTokenizer>()?;
+    m.add("TokenizerError", m.py().get_type::<TokenizerError>())?;
+    Ok(())
+}

@@ -1,0 +1,644 @@
+//! The whole pipeline: added tokens → normalizer → pre-tokenizer → Unigram → template.
+
+use crate::added::{AddedToken, Matcher, Split};
+use crate::error::Error;
+use crate::load::{Metaspace, PreTokenizer, Prepend, Spec, TemplateItem};
+use crate::normalizer::{normalize, Align, NormBuffers, Step};
+use crate::unigram::{Unigram, ViterbiScratch};
+use crate::PageKind;
+
+/// A loaded tokenizer: immutable, shared freely across threads.
+///
+/// All per-call working memory lives in a [`Scratch`] the caller owns and reuses, so
+/// encoding allocates nothing once the scratch has grown to the input sizes it sees.
+#[derive(Debug)]
+pub struct Tokenizer {
+    model: Unigram,
+    added: Vec<AddedToken>,
+    /// Added tokens matched on the raw text (`normalized: false`).
+    raw_matcher: Matcher,
+    /// Added tokens matched on normalized text (`normalized: true`).
+    norm_matcher: Matcher,
+    normalizer: Vec<Step>,
+    pre: PreTokenizer,
+    single: Vec<TemplateItem>,
+    pair: Vec<TemplateItem>,
+    decoder: Option<Metaspace>,
+    vocab_size: usize,
+}
+
+/// Caller-owned working memory for [`Tokenizer`] calls; reuse one per thread.
+#[derive(Debug, Default)]
+pub struct Scratch {
+    splits: Vec<Split>,
+    norm_splits: Vec<Split>,
+    norm: NormBuffers,
+    pre: Vec<u8>,
+    pre_align: Vec<Align>,
+    pieces: Vec<(u32, u32)>,
+    viterbi: ViterbiScratch,
+    piece_offsets: Vec<(u32, u32)>,
+    first: Vec<u32>,
+    second: Vec<u32>,
+}
+
+impl Scratch {
+    /// An empty scratch; it grows on first use.
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+/// Token ids with byte offsets into the original text (`(0, 0)` for template tokens).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Encoding {
+    /// Token ids.
+    pub ids: Vec<u32>,
+    /// Byte range of each token in the input text.
+    pub offsets: Vec<(usize, usize)>,
+}
+
+/// Output sinks for one content encoding.
+struct Sink<'a> {
+    ids: &'a mut Vec<u32>,
+    offsets: Option<&'a mut Vec<(usize, usize)>>,
+    budget: usize,
+}
+
+impl Sink<'_> {
+    fn full(&self) -> bool {
+        self.ids.len() >= self.budget
+    }
+}
+
+impl Tokenizer {
+    /// Loads a Hugging Face `tokenizer.json` file.
+    pub fn from_file(path: &str) -> Result<Self, Error> {
+        let json = std::fs::read_to_string(path).map_err(|e| Error::io(path, &e))?;
+        Self::from_json(&json)
+    }
+
+    /// Loads a Hugging Face `tokenizer.json` document.
+    pub fn from_json(json: &str) -> Result<Self, Error> {
+        let spec: Spec = crate::load::parse(json)?;
+        let model = Unigram::new(&spec.vocab, spec.unk_id);
+        let mut scratch = NormBuffers::default();
+        let mut raw = Vec::new();
+        let mut norm = Vec::new();
+        for (i, t) in spec.added.iter().enumerate() {
+            if t.normalized {
+                normalize(&spec.normalizer, &t.content, &mut scratch, false);
+                norm.push((scratch.cur.clone().into_boxed_slice(), i));
+            } else {
+                raw.push((t.content.as_bytes().into(), i));
+            }
+        }
+        let mut names: std::collections::HashSet<&str> =
+            spec.vocab.iter().map(|v| v.0.as_str()).collect();
+        names.extend(spec.added.iter().map(|t| &*t.content));
+        let vocab_size = names.len();
+        Ok(Self {
+            model,
+            raw_matcher: Matcher::new(raw),
+            norm_matcher: Matcher::new(norm),
+            added: spec.added,
+            normalizer: spec.normalizer,
+            pre: spec.pre,
+            single: spec.single,
+            pair: spec.pair,
+            decoder: spec.decoder,
+            vocab_size,
+        })
+    }
+
+    /// Number of distinct tokens, added tokens included (HF's `get_vocab_size()`).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Pages backing the trie (huge pages when the system gives them).
+    pub fn page_kind(&self) -> PageKind {
+        self.model.trie_stats().1
+    }
+
+    /// Number of node slots in the trie (each one 64-byte cache line).
+    pub fn trie_nodes(&self) -> usize {
+        self.model.trie_stats().0
+    }
+
+    /// The Unigram model.
+    pub fn model(&self) -> &Unigram {
+        &self.model
+    }
+
+    /// Id of a token string (added tokens first, then the model's pieces).
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.added
+            .iter()
+            .find(|t| &*t.content == token)
+            .map(|t| t.id)
+            .or_else(|| self.model.piece_id(token))
+    }
+
+    /// Token string of an id (added tokens first, then the model's pieces).
+    pub fn id_to_token(&self, id: u32) -> Option<&str> {
+        self.added
+            .iter()
+            .find(|t| t.id == id)
+            .map(|t| &*t.content)
+            .or_else(|| self.model.piece(id))
+    }
+
+    /// Number of template tokens added to one sequence (`pair = false`) or a pair.
+    pub fn num_special_tokens(&self, pair: bool) -> usize {
+        let t = if pair { &self.pair } else { &self.single };
+        t.iter()
+            .map(|i| {
+                if let TemplateItem::Special(ids) = i {
+                    ids.len()
+                } else {
+                    0
+                }
+            })
+            .sum()
+    }
+
+    /// Encodes `text` into `out` (cleared first).
+    ///
+    /// `max_length` truncates on the right and counts template tokens, like HF's
+    /// `enable_truncation(max_length)`; work stops once enough tokens are produced.
+    pub fn encode_into(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        max_length: Option<usize>,
+        scratch: &mut Scratch,
+        out: &mut Vec<u32>,
+    ) -> Result<(), Error> {
+        out.clear();
+        let budget = self.budget(max_length, add_special_tokens, false)?;
+        let mut first = std::mem::take(&mut scratch.first);
+        first.clear();
+        self.encode_content(
+            text,
+            &mut Sink {
+                ids: &mut first,
+                offsets: None,
+                budget,
+            },
+            scratch,
+        );
+        first.truncate(budget);
+        if add_special_tokens {
+            self.apply_template(&self.single, &first, &[], out);
+        } else {
+            out.extend_from_slice(&first);
+        }
+        scratch.first = first;
+        Ok(())
+    }
+
+    /// Encodes `text`, allocating the result.
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Vec<u32> {
+        let mut out = Vec::new();
+        self.encode_into(
+            text,
+            add_special_tokens,
+            None,
+            &mut Scratch::new(),
+            &mut out,
+        )
+        .expect("no truncation requested");
+        out
+    }
+
+    /// Encodes the pair `(a, b)` with the pair template into `out`; returns how many of
+    /// the leading ids belong to the first segment (its template tokens included, i.e.
+    /// everything before the second sequence's tokens). `max_length` truncates the second
+    /// sequence only (HF's `only_second` strategy).
+    pub fn encode_pair_into(
+        &self,
+        a: &str,
+        b: &str,
+        add_special_tokens: bool,
+        max_length: Option<usize>,
+        scratch: &mut Scratch,
+        out: &mut Vec<u32>,
+    ) -> Result<usize, Error> {
+        out.clear();
+        let mut first = std::mem::take(&mut scratch.first);
+        let mut second = std::mem::take(&mut scratch.second);
+        first.clear();
+        second.clear();
+        self.encode_content(
+            a,
+            &mut Sink {
+                ids: &mut first,
+                offsets: None,
+                budget: usize::MAX,
+            },
+            scratch,
+        );
+        let mut result = Ok(());
+        let budget = match max_length {
+            None => usize::MAX,
+            Some(max) => {
+                let fixed = first.len()
+                    + if add_special_tokens {
+                        self.num_special_tokens(true)
+                    } else {
+                        0
+                    };
+                match max.checked_sub(fixed) {
+                    Some(b) if b > 0 => b,
+                    _ => {
+                        result = Err(Error::truncation(format!(
+                            "max_length {max} leaves no room for the second sequence (the first takes {fixed} tokens)"
+                        )));
+                        0
+                    }
+                }
+            }
+        };
+        if result.is_ok() {
+            self.encode_content(
+                b,
+                &mut Sink {
+                    ids: &mut second,
+                    offsets: None,
+                    budget,
+                },
+                scratch,
+            );
+            second.truncate(budget);
+        }
+        let split = if add_special_tokens {
+            self.apply_template(&self.pair, &first, &second, out)
+        } else {
+            out.extend_from_slice(&first);
+            out.extend_from_slice(&second);
+            first.len()
+        };
+        scratch.first = first;
+        scratch.second = second;
+        result.map(|()| split)
+    }
+
+    /// Encodes `text` with byte offsets into it (allocating; not the hot path).
+    pub fn encode_with_offsets(&self, text: &str, add_special_tokens: bool) -> Encoding {
+        let mut scratch = Scratch::new();
+        let mut ids = Vec::new();
+        let mut offsets = Vec::new();
+        self.encode_content(
+            text,
+            &mut Sink {
+                ids: &mut ids,
+                offsets: Some(&mut offsets),
+                budget: usize::MAX,
+            },
+            &mut scratch,
+        );
+        if !add_special_tokens {
+            return Encoding { ids, offsets };
+        }
+        let mut enc = Encoding::default();
+        for item in &self.single {
+            match item {
+                TemplateItem::Special(s) => {
+                    enc.ids.extend_from_slice(s);
+                    enc.offsets.extend(std::iter::repeat_n((0, 0), s.len()));
+                }
+                TemplateItem::Sequence(_) => {
+                    enc.ids.extend_from_slice(&ids);
+                    enc.offsets.extend_from_slice(&offsets);
+                }
+            }
+        }
+        enc
+    }
+
+    /// Decodes ids to text, as HF's `decode` (unknown ids are skipped).
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> String {
+        let mut out = String::new();
+        let mut index = 0usize;
+        for &id in ids {
+            let Some(token) = self.id_to_token(id) else {
+                continue;
+            };
+            if skip_special_tokens && self.added.iter().any(|t| t.special && &*t.content == token) {
+                continue;
+            }
+            match &self.decoder {
+                Some(m) => {
+                    for c in token.chars() {
+                        if c == m.replacement {
+                            if !(index == 0 && m.prepend != Prepend::Never) {
+                                out.push(' ');
+                            }
+                        } else {
+                            out.push(c);
+                        }
+                    }
+                }
+                None => {
+                    if index > 0 {
+                        out.push(' ');
+                    }
+                    out.push_str(token);
+                }
+            }
+            index += 1;
+        }
+        out
+    }
+
+    fn budget(
+        &self,
+        max_length: Option<usize>,
+        add_special: bool,
+        pair: bool,
+    ) -> Result<usize, Error> {
+        let Some(max) = max_length else {
+            return Ok(usize::MAX);
+        };
+        let specials = if add_special {
+            self.num_special_tokens(pair)
+        } else {
+            0
+        };
+        max.checked_sub(specials).ok_or_else(|| {
+            Error::truncation(format!(
+                "max_length {max} is below the {specials} template tokens"
+            ))
+        })
+    }
+
+    /// Appends the template around `a` (and `b`); returns the number of ids before `b`.
+    fn apply_template(
+        &self,
+        t: &[TemplateItem],
+        a: &[u32],
+        b: &[u32],
+        out: &mut Vec<u32>,
+    ) -> usize {
+        let mut before_b = 0;
+        for item in t {
+            match item {
+                TemplateItem::Special(s) => out.extend_from_slice(s),
+                TemplateItem::Sequence(false) => out.extend_from_slice(a),
+                TemplateItem::Sequence(true) => {
+                    before_b = out.len();
+                    out.extend_from_slice(b);
+                }
+            }
+        }
+        if before_b == 0 {
+            before_b = out.len();
+        }
+        before_b
+    }
+
+    /// Tokenizes `text` without a template: split on added tokens, then normalize,
+    /// pre-tokenize and segment each stretch of text in between.
+    fn encode_content(&self, text: &str, sink: &mut Sink<'_>, scratch: &mut Scratch) {
+        let mut splits = std::mem::take(&mut scratch.splits);
+        splits.clear();
+        if self.raw_matcher.is_empty() {
+            splits.push(Split {
+                start: 0,
+                end: text.len() as u32,
+                id: None,
+            });
+        } else {
+            self.raw_matcher.split(text, &self.added, &mut splits);
+        }
+        for s in &splits {
+            if sink.full() {
+                break;
+            }
+            let (start, end) = (s.start as usize, s.end as usize);
+            match s.id {
+                Some(id) => {
+                    sink.ids.push(id);
+                    if let Some(o) = sink.offsets.as_deref_mut() {
+                        o.push((start, end));
+                    }
+                }
+                None => self.encode_segment(&text[start..end], start, sink, scratch),
+            }
+        }
+        scratch.splits = splits;
+        if sink.ids.len() > sink.budget {
+            sink.ids.truncate(sink.budget);
+            if let Some(o) = sink.offsets.as_deref_mut() {
+                o.truncate(sink.budget);
+            }
+        }
+    }
+
+    fn encode_segment(
+        &self,
+        seg: &str,
+        seg_start: usize,
+        sink: &mut Sink<'_>,
+        scratch: &mut Scratch,
+    ) {
+        let track = sink.offsets.is_some();
+        let mut norm = std::mem::take(&mut scratch.norm);
+        normalize(&self.normalizer, seg, &mut norm, track);
+        if self.norm_matcher.is_empty() {
+            self.encode_normalized(&norm.cur, &norm.cur_align, seg_start, sink, scratch);
+        } else {
+            let mut splits = std::mem::take(&mut scratch.norm_splits);
+            splits.clear();
+            // SAFETY: normalizer output is UTF-8 (see `normalize`).
+            let text = unsafe { std::str::from_utf8_unchecked(&norm.cur) };
+            self.norm_matcher.split(text, &self.added, &mut splits);
+            for s in &splits {
+                if sink.full() {
+                    break;
+                }
+                let (a, b) = (s.start as usize, s.end as usize);
+                match s.id {
+                    Some(id) => {
+                        sink.ids.push(id);
+                        if let Some(o) = sink.offsets.as_deref_mut() {
+                            o.push(span(&norm.cur_align, a, b, seg_start));
+                        }
+                    }
+                    None => {
+                        let al = if track {
+                            &norm.cur_align[a..b]
+                        } else {
+                            &[][..]
+                        };
+                        self.encode_normalized(&norm.cur[a..b], al, seg_start, sink, scratch)
+                    }
+                }
+            }
+            scratch.norm_splits = splits;
+        }
+        scratch.norm = norm;
+    }
+
+    /// Pre-tokenizes normalized text and runs the model over each piece.
+    fn encode_normalized(
+        &self,
+        text: &[u8],
+        align: &[Align],
+        seg_start: usize,
+        sink: &mut Sink<'_>,
+        scratch: &mut Scratch,
+    ) {
+        let track = sink.offsets.is_some();
+        let Scratch {
+            pre,
+            pre_align,
+            pieces,
+            viterbi,
+            piece_offsets,
+            ..
+        } = scratch;
+        pre.clear();
+        pre_align.clear();
+        pieces.clear();
+        // SAFETY: normalizer output is UTF-8 (see `normalize`).
+        let s = unsafe { std::str::from_utf8_unchecked(text) };
+        if self.pre.whitespace_split {
+            let mut word_start = None;
+            for (i, c) in s.char_indices() {
+                if c.is_whitespace() {
+                    if let Some(w) = word_start.take() {
+                        self.word(
+                            &text[w..i],
+                            if track { &align[w..i] } else { &[] },
+                            track,
+                            pre,
+                            pre_align,
+                            pieces,
+                        );
+                    }
+                } else if word_start.is_none() {
+                    word_start = Some(i);
+                }
+            }
+            if let Some(w) = word_start {
+                self.word(
+                    &text[w..],
+                    if track { &align[w..] } else { &[] },
+                    track,
+                    pre,
+                    pre_align,
+                    pieces,
+                );
+            }
+        } else {
+            self.word(text, align, track, pre, pre_align, pieces);
+        }
+        for &(ps, pe) in pieces.iter() {
+            if sink.full() {
+                break;
+            }
+            let piece = &pre[ps as usize..pe as usize];
+            if track {
+                piece_offsets.clear();
+                self.model
+                    .encode_piece(piece, viterbi, sink.ids, Some(piece_offsets));
+                if let Some(o) = sink.offsets.as_deref_mut() {
+                    for &(a, b) in piece_offsets.iter() {
+                        o.push(span(
+                            pre_align,
+                            (ps + a) as usize,
+                            (ps + b) as usize,
+                            seg_start,
+                        ));
+                    }
+                }
+            } else {
+                self.model.encode_piece(piece, viterbi, sink.ids, None);
+            }
+        }
+    }
+
+    /// Applies Metaspace (when configured) to one word and records its pieces.
+    fn word(
+        &self,
+        w: &[u8],
+        wa: &[Align],
+        track: bool,
+        pre: &mut Vec<u8>,
+        pre_align: &mut Vec<Align>,
+        pieces: &mut Vec<(u32, u32)>,
+    ) {
+        if w.is_empty() {
+            return;
+        }
+        let start = pre.len();
+        let Some(m) = &self.pre.metaspace else {
+            pre.extend_from_slice(w);
+            if track {
+                pre_align.extend_from_slice(wa);
+            }
+            pieces.push((start as u32, pre.len() as u32));
+            return;
+        };
+        let mut buf = [0u8; 4];
+        let rep = m.replacement.encode_utf8(&mut buf).as_bytes();
+        let starts_with_rep = w[0] == b' ' || w.starts_with(rep);
+        if m.prepend == Prepend::Always && !starts_with_rep {
+            pre.extend_from_slice(rep);
+            if track {
+                pre_align.extend(std::iter::repeat_n(wa[0], rep.len()));
+            }
+        }
+        // Copy runs between spaces in bulk; each space becomes the replacement.
+        let mut last = 0;
+        for (i, &b) in w.iter().enumerate() {
+            if b == b' ' {
+                pre.extend_from_slice(&w[last..i]);
+                pre.extend_from_slice(rep);
+                if track {
+                    pre_align.extend_from_slice(&wa[last..i]);
+                    pre_align.extend(std::iter::repeat_n(wa[i], rep.len()));
+                }
+                last = i + 1;
+            }
+        }
+        pre.extend_from_slice(&w[last..]);
+        if track {
+            pre_align.extend_from_slice(&wa[last..]);
+        }
+        if !m.split {
+            pieces.push((start as u32, pre.len() as u32));
+            return;
+        }
+        let mut piece_start = start;
+        let mut i = start;
+        let end = pre.len();
+        while i < end {
+            if pre[i] == rep[0] && pre[i..end].starts_with(rep) {
+                if i > piece_start {
+                    pieces.push((piece_start as u32, i as u32));
+                }
+                piece_start = i;
+                i += rep.len();
+            } else {
+                i += 1;
+            }
+        }
+        if end > piece_start {
+            pieces.push((piece_start as u32, end as u32));
+        }
+    }
+}
+
+/// Original byte range (absolute) of normalized bytes `a..b` of a segment.
+fn span(align: &[Align], a: usize, b: usize, seg_start: usize) -> (usize, usize) {
+    if a >= b {
+        return (seg_start, seg_start);
+    }
+    (
+        seg_start + align[a].0 as usize,
+        seg_start + align[b - 1].1 as usize,
+    )
+}

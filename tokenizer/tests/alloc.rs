@@ -1,0 +1,107 @@
+//! Steady-state encoding allocates nothing: a counting global allocator watches the
+//! measured window (only on this thread, so parallel tests do not disturb it).
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use trellis_tokenizer::{Scratch, Tokenizer};
+
+struct Counting;
+
+thread_local! {
+    static WATCH: Cell<bool> = const { Cell::new(false) };
+    static COUNT: Cell<usize> = const { Cell::new(0) };
+}
+
+fn note() {
+    // `try_with`: the allocator may run while thread-locals are being torn down.
+    let _ = WATCH.try_with(|w| {
+        if w.get() {
+            let _ = COUNT.try_with(|c| c.set(c.get() + 1));
+        }
+    });
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: same contract as the caller's.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as the caller's.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note();
+        // SAFETY: same contract as the caller's.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn count_allocations(f: impl FnOnce()) -> usize {
+    COUNT.with(|c| c.set(0));
+    WATCH.with(|w| w.set(true));
+    f();
+    WATCH.with(|w| w.set(false));
+    COUNT.with(|c| c.get())
+}
+
+#[test]
+fn counter_sees_allocations() {
+    let n = count_allocations(|| {
+        let v: Vec<u8> = Vec::with_capacity(100);
+        std::hint::black_box(v);
+    });
+    assert_eq!(n, 1);
+}
+
+#[test]
+fn steady_state_encoding_allocates_nothing() {
+    for file in ["tokenizer.json", "tokenizer-legacy.json"] {
+        let tok = Tokenizer::from_file(&common::xlmr_file(file)).unwrap();
+        let mut scratch = Scratch::new();
+        let mut out = Vec::new();
+        // ~128, 512, 1k, 4k and 16k tokens (about 3-4 bytes per token here).
+        for bytes in [450, 1_800, 3_600, 14_000, 56_000] {
+            let texts = common::texts(4, bytes);
+            // Warm-up: the scratch and output grow to the largest input once.
+            for t in &texts {
+                tok.encode_into(t, true, None, &mut scratch, &mut out)
+                    .unwrap();
+                tok.encode_pair_into("a query", t, true, None, &mut scratch, &mut out)
+                    .unwrap();
+            }
+            let n = count_allocations(|| {
+                for t in &texts {
+                    tok.encode_into(t, true, None, &mut scratch, &mut out)
+                        .unwrap();
+                    assert!(out.len() > 2);
+                    tok.encode_into(t, true, Some(100), &mut scratch, &mut out)
+                        .unwrap();
+                    assert_eq!(out.len(), 100);
+                    tok.encode_into(t, false, None, &mut scratch, &mut out)
+                        .unwrap();
+                    tok.encode_pair_into("a query", t, true, Some(64), &mut scratch, &mut out)
+                        .unwrap();
+                }
+            });
+            assert_eq!(n, 0, "{file}: {n} allocations at ~{bytes} bytes");
+        }
+        // Inputs that hit the normalization map everywhere.
+        let heavy = common::SENTENCES[7].repeat(200) + &common::SENTENCES[8].repeat(200);
+        tok.encode_into(&heavy, true, None, &mut scratch, &mut out)
+            .unwrap();
+        let n = count_allocations(|| {
+            tok.encode_into(&heavy, true, None, &mut scratch, &mut out)
+                .unwrap()
+        });
+        assert_eq!(n, 0, "{file}: charsmap-heavy input allocated {n} times");
+    }
+}
