@@ -18,8 +18,9 @@ def available() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    names = [a for a in argv if not a.startswith("-")] or available()
-    flags = [a for a in argv if a.startswith("-")]
+    # Leading words name benchmarks; everything from the first flag on is passed through.
+    split = next((i for i, a in enumerate(argv) if a.startswith("-")), len(argv))
+    names, flags = argv[:split] or available(), argv[split:]
     status = 0
     for name in names:
         if name not in available():

@@ -1,10 +1,73 @@
-"""`trellis models ...` (placeholder until the asset pipeline lands)."""
+"""`trellis models pull|list|verify`: the command-line face of the asset pipeline."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
+
+from rose.assets.config import AssetsConfig
+from rose.assets.errors import AssetError
+from rose.assets.registry import REGISTRY
+from rose.assets.store import ensure_model, status, verify_model
+
+__all__ = ["add_parser"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("models", help="pull and list model assets")
-    parser.set_defaults(handler=lambda args: print("models: not implemented yet") or 1)
+    parser = subparsers.add_parser("models", help="pull, list and verify model assets")
+    commands = parser.add_subparsers(dest="models_command", required=True)
+
+    pull = commands.add_parser("pull", help="download, convert and verify assets")
+    pull.add_argument("names", nargs="+", metavar="NAME", choices=list(REGISTRY))
+    pull.add_argument("--force", action="store_true", help="convert again even if present")
+    pull.set_defaults(handler=_pull)
+
+    listing = commands.add_parser("list", help="show the known assets and their state")
+    listing.set_defaults(handler=_list)
+
+    verify = commands.add_parser("verify", help="re-run the verification of pulled assets")
+    verify.add_argument("names", nargs="+", metavar="NAME", choices=list(REGISTRY))
+    verify.set_defaults(handler=_verify)
+
+
+def _log(line: str) -> None:
+    print(f"[trellis models] {line}", file=sys.stderr, flush=True)
+
+
+def _pull(args: argparse.Namespace) -> int:
+    def action(config: AssetsConfig, name: str) -> None:
+        print(ensure_model(name, config, _log, force=args.force))
+
+    return _each(args.names, action)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    def action(config: AssetsConfig, name: str) -> None:
+        print(verify_model(name, config, _log))
+
+    return _each(args.names, action)
+
+
+def _each(names: list[str], action: Callable[[AssetsConfig, str], None]) -> int:
+    try:
+        config = AssetsConfig.from_env()
+        for name in names:
+            action(config, name)
+    except AssetError as exc:
+        print(f"trellis models: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    try:
+        config = AssetsConfig.from_env()
+    except AssetError as exc:
+        print(f"trellis models: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"cache root: {config.models_dir}")
+    for name, asset in REGISTRY.items():
+        st = status(name, config)
+        print(f"{name:24} {st.state:10} {asset.requirement:28} {asset.description}")
+    return 0
