@@ -1,0 +1,78 @@
+"""`EngineConfig`: every knob of the engine, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rose.errors import EngineError
+
+__all__ = ["ATTENTION_BACKENDS", "DTYPES", "SDPA_STRATEGIES", "EngineConfig"]
+
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("sdpa", "flashinfer")
+SDPA_STRATEGIES = ("auto", "per-sequence", "block-diagonal")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model.
+
+    device: "cpu", "cuda" or "cuda:N".
+    dtype: None picks float32 on CPU and bfloat16 on CUDA; else one of `DTYPES`.
+    cuda_graphs: capture and replay CUDA graphs (ignored on CPU).
+    max_graphs: how many captured graphs are kept (least recently used are evicted).
+    max_graph_tokens: batches with more tokens than this always run eagerly.
+    attention: None picks FlashInfer on CUDA when importable, else SDPA; or one of
+        `ATTENTION_BACKENDS` to insist (FlashInfer still falls back, with a log line, when absent).
+    sdpa_strategy: how SDPA avoids padding on ragged batches: one call per sequence, one call
+        with a block-diagonal mask, or "auto" (a cost model picks per batch).
+    """
+
+    device: str = "cpu"
+    dtype: str | None = None
+    cuda_graphs: bool = True
+    max_graphs: int = 64
+    max_graph_tokens: int = 8192
+    attention: str | None = None
+    sdpa_strategy: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str) or not (
+            self.device == "cpu"
+            or self.device == "cuda"
+            or (self.device.startswith("cuda:") and self.device[5:].isdigit())
+        ):
+            raise EngineError(
+                f"EngineConfig.device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}"
+            )
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise EngineError(
+                f"EngineConfig.dtype must be None or one of {DTYPES}, got {self.dtype!r}"
+            )
+        if not isinstance(self.max_graphs, int) or self.max_graphs < 1:
+            raise EngineError(
+                f"EngineConfig.max_graphs must be an integer >= 1, got {self.max_graphs!r}"
+            )
+        if not isinstance(self.max_graph_tokens, int) or self.max_graph_tokens < 1:
+            raise EngineError(
+                f"EngineConfig.max_graph_tokens must be an integer >= 1, got {self.max_graph_tokens!r}"
+            )
+        if self.attention is not None and self.attention not in ATTENTION_BACKENDS:
+            raise EngineError(
+                f"EngineConfig.attention must be None or one of {ATTENTION_BACKENDS}, got {self.attention!r}"
+            )
+        if self.sdpa_strategy not in SDPA_STRATEGIES:
+            raise EngineError(
+                f"EngineConfig.sdpa_strategy must be one of {SDPA_STRATEGIES}, got {self.sdpa_strategy!r}"
+            )
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype weights and activations use: the explicit one, else by device."""
+        if self.dtype is not None:
+            return self.dtype
+        return "bfloat16" if self.is_cuda else "float32"

@@ -1,0 +1,329 @@
+"""`Engine`: load a model directory once, then run ragged batches with `step`.
+
+`step` validates and lays out the batch on the host (positions, row ids, per-row pooling),
+enqueues the pass and returns a `LazyTensor` at once. On CUDA with graphs on, the pass runs in
+the slot of its (row bucket, token bucket) graph key: inputs padded into static buffers with
+one extra "padding row" that owns the padding tokens, so padded tokens never mix with real rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rose.attention import AttentionBackend, AttentionInputs, select_backend
+from rose.batch import RaggedBatch
+from rose.config import EngineConfig
+from rose.errors import EngineError
+from rose.graphs import CaptureBackend, CudaCaptureBackend, GraphKey, GraphManager, graph_key
+from rose.lazy import LazyTensor
+from rose.loading import ModelInfo, read_config, read_sentence_settings, read_tensors
+from rose.models.bert import BertConfig, BertFamilyModel, load_weights, position_ids
+from rose.pooling import POOL_CODES, pool_ragged
+
+__all__ = ["Engine"]
+
+log = logging.getLogger("rose.engine")
+
+
+@dataclass(frozen=True)
+class _HostBatch:
+    """A validated batch laid out for the device (all arrays on the host)."""
+
+    ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    types: np.ndarray | None  # [T] int64
+    seg_ids: np.ndarray  # [T] int64, row of each token
+    cu_seqlens: np.ndarray  # [B+1] int64
+    modes: np.ndarray  # [B] int64 pooling codes
+    normalize: np.ndarray  # [B] bool
+    present: frozenset[int]  # pooling codes in `modes`
+
+    @property
+    def rows(self) -> int:
+        return int(self.modes.size)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.size)
+
+
+class _Slot:
+    """Static device buffers of one graph key; rows R + 1 (the last owns padding tokens).
+
+    One int64 buffer holds ids, positions, types, seg_ids [Tb each], cu_seqlens [R+2],
+    modes [R+1] and normalize [R+1], so filling a slot is one host-to-device copy.
+    """
+
+    def __init__(self, key: GraphKey, device: torch.device) -> None:
+        rows, tokens = key
+        self.key = key
+        self.rows = rows + 1
+        self.tokens = tokens
+        self.sizes = [tokens, tokens, tokens, tokens, self.rows + 1, self.rows, self.rows]
+        self.pinned = device.type == "cuda"
+        self.device_buffer = torch.zeros(sum(self.sizes), dtype=torch.int64, device=device)
+        parts = torch.split(self.device_buffer, self.sizes)
+        self.ids, self.positions, self.types, self.seg_ids, self.cu_seqlens, self.modes, norm = (
+            parts
+        )
+        self.normalize_flags = norm
+        self.plan: Any = None
+        self.output: torch.Tensor | None = None
+
+
+class Engine:
+    """A loaded encoder or cross-encoder; see the package docstring for use."""
+
+    def __init__(
+        self,
+        model: BertFamilyModel,
+        info: ModelInfo,
+        config: EngineConfig,
+        attention: AttentionBackend,
+        capture: CaptureBackend | None = None,
+    ) -> None:
+        self._model = model
+        self._cfg: BertConfig = model.cfg
+        self._info = info
+        self._config = config
+        self._device = next(model.parameters()).device
+        self._attention = attention
+        self._default_mode = POOL_CODES[info.default_pooling]
+        self._graphs: GraphManager[_Slot] | None = None
+        if (
+            capture is None
+            and config.cuda_graphs
+            and self._device.type == "cuda"
+            and attention.graph_safe
+        ):
+            capture = CudaCaptureBackend()
+        if capture is not None:
+            self._graphs = GraphManager(capture, config.max_graphs, on_evict=self._evict_slot)
+
+    # -- loading ---------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, model_dir: str | Path, config: EngineConfig | None = None) -> Engine:
+        """Load a Hugging Face model directory; EngineError says what is missing or unsupported."""
+        config = config or EngineConfig()
+        path = Path(model_dir)
+        cfg = read_config(path)
+        settings = read_sentence_settings(path, cfg.classifier)
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise EngineError(f"EngineConfig.device is {config.device!r} but CUDA is not available")
+        dtype = getattr(torch, config.resolved_dtype)
+        state = load_weights(cfg, read_tensors(path))
+        with torch.device("meta"):
+            model = BertFamilyModel(cfg)
+        model.load_state_dict(state, strict=True, assign=True)
+        model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        max_tokens = cfg.max_input_tokens
+        if settings.max_seq_length is not None:
+            max_tokens = min(max_tokens, settings.max_seq_length)
+        info = ModelInfo(
+            name=path.name or path.resolve().name,
+            kind="cross-encoder" if cfg.classifier else "embedding",
+            dimensions=cfg.hidden_size,
+            max_input_tokens=max_tokens,
+            vocab_size=cfg.vocab_size,
+            num_labels=cfg.num_labels,
+            default_pooling=settings.pooling,
+            default_normalize=settings.normalize,
+            query_prompt=settings.query_prompt,
+            document_prompt=settings.document_prompt,
+            device=str(device),
+            dtype=config.resolved_dtype,
+        )
+        choice = select_backend(
+            config.attention, config.sdpa_strategy, device, dtype, cfg.num_heads, cfg.head_dim
+        )
+        engine = cls(model, info, config, choice.backend)
+        log.info("rose engine loaded: %r, cuda graphs %s", engine, "on" if engine.graphs else "off")
+        return engine
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @property
+    def attention(self) -> AttentionBackend:
+        return self._attention
+
+    @property
+    def graphs(self) -> GraphManager[Any] | None:
+        return self._graphs
+
+    def use_capture_backend(self, capture: CaptureBackend) -> None:
+        """Run graph-keyed passes through `capture` (e.g. a recorder, to test on CPU)."""
+        if self._graphs is not None:
+            self._graphs.clear()
+        self._graphs = GraphManager(capture, self._config.max_graphs, on_evict=self._evict_slot)
+
+    # -- running ---------------------------------------------------------------------------
+
+    def step(self, batch: RaggedBatch) -> LazyTensor:
+        """Enqueue one pass over `batch`; returns at once with a `LazyTensor`:
+        [B, dimensions] pooled embeddings, or [B, num_labels] raw logits for cross-encoders."""
+        host = self._layout(batch)
+        with torch.inference_mode():
+            if self._graphs is not None and host.tokens <= self._config.max_graph_tokens:
+                out = self._run_graph(host)
+            else:
+                out = self._run_eager(host)
+        return LazyTensor.from_device(out)
+
+    def _layout(self, batch: RaggedBatch) -> _HostBatch:
+        cfg, info = self._cfg, self._info
+        ids = batch.input_ids
+        cu = batch.cu_seqlens.astype(np.int64)
+        lengths = np.diff(cu)
+        rows = lengths.size
+        longest = int(lengths.max())
+        if longest > info.max_input_tokens:
+            raise EngineError(
+                f"a row has {longest} tokens; {info.name} takes at most {info.max_input_tokens}"
+            )
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= cfg.vocab_size:
+            raise EngineError(
+                f"token id {high if high >= cfg.vocab_size else low} is outside 0..{cfg.vocab_size - 1}"
+            )
+        types = batch.token_type_ids
+        if types is not None:
+            if int(types.min()) < 0 or int(types.max()) >= cfg.type_vocab_size:
+                raise EngineError(f"token type ids must be in 0..{cfg.type_vocab_size - 1}")
+            types = types.astype(np.int64, copy=False)
+        if batch.pooling is None:
+            modes = np.full(rows, self._default_mode, dtype=np.int64)
+            present = frozenset((self._default_mode,))
+        else:
+            codes = [self._default_mode if m is None else POOL_CODES[m] for m in batch.pooling]
+            modes = np.asarray(codes, dtype=np.int64)
+            present = frozenset(codes)
+        if batch.normalize is None:
+            normalize = np.full(rows, info.default_normalize, dtype=bool)
+        else:
+            normalize = np.asarray(
+                [info.default_normalize if n is None else bool(n) for n in batch.normalize],
+                dtype=bool,
+            )
+        return _HostBatch(
+            ids=ids.astype(np.int64, copy=False),
+            positions=position_ids(cfg, ids, cu),
+            types=types,
+            seg_ids=np.repeat(np.arange(rows, dtype=np.int64), lengths),
+            cu_seqlens=cu,
+            modes=modes,
+            normalize=normalize,
+            present=present,
+        )
+
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        types: torch.Tensor | None,
+        seg_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        modes: torch.Tensor,
+        normalize: torch.Tensor,
+        plan: Any,
+        present: frozenset[int] | None,
+    ) -> torch.Tensor:
+        """The device part of a pass (graph-capturable when `present` is None)."""
+        inputs = AttentionInputs(cu_seqlens=cu_seqlens, seg_ids=seg_ids)
+        state = self._attention.prepare(plan, inputs)
+        hidden = self._model.encoder(ids, positions, types, self._attention, state)  # [T, H]
+        head = self._model.head
+        if head is not None:
+            return head(
+                hidden[cu_seqlens[:-1].clamp(max=hidden.shape[0] - 1)]
+            ).float()  # [B, labels]
+        return pool_ragged(hidden, cu_seqlens, seg_ids, modes, normalize, present)  # [B, H]
+
+    def _run_eager(self, host: _HostBatch) -> torch.Tensor:
+        device = self._device
+        plan = self._attention.plan(host.cu_seqlens)
+
+        def put(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device, non_blocking=True)
+
+        return self._forward(
+            put(host.ids),
+            put(host.positions),
+            None if host.types is None else put(host.types),
+            put(host.seg_ids),
+            put(host.cu_seqlens),
+            put(host.modes),
+            put(host.normalize),
+            plan,
+            host.present,
+        )
+
+    def _run_graph(self, host: _HostBatch) -> torch.Tensor:
+        assert self._graphs is not None
+        key = graph_key(host.rows, host.tokens)
+        slot = self._graphs.run(
+            key,
+            lambda: _Slot(key, self._device),
+            lambda s: self._fill(s, host),
+            self._forward_slot,
+        )
+        assert slot.output is not None
+        return slot.output[: host.rows]
+
+    def _fill(self, slot: _Slot, host: _HostBatch) -> None:
+        t, b = host.tokens, host.rows
+        # A fresh staging buffer per fill: torch's pinned-memory cache does not hand it out
+        # again before the non-blocking copy below has run.
+        staging = torch.empty(sum(slot.sizes), dtype=torch.int64, pin_memory=slot.pinned)
+        ids, positions, types, seg, cu, modes, norm = torch.split(staging, slot.sizes)
+        ids[:t] = torch.from_numpy(host.ids)
+        ids[t:] = self._cfg.pad_token_id
+        positions[:t] = torch.from_numpy(host.positions)
+        positions[t:] = self._cfg.position_offset
+        types.zero_()
+        if host.types is not None:
+            types[:t] = torch.from_numpy(host.types)
+        seg[:t] = torch.from_numpy(host.seg_ids)
+        seg[t:] = slot.rows - 1  # the padding row
+        cu[: b + 1] = torch.from_numpy(host.cu_seqlens)
+        cu[b + 1 : slot.rows] = t  # empty bucket rows
+        cu[slot.rows] = slot.tokens  # the padding row ends the bucket
+        modes.zero_()
+        modes[:b] = torch.from_numpy(host.modes)
+        norm.zero_()
+        norm[:b] = torch.from_numpy(host.normalize.astype(np.int64))
+        slot.plan = self._attention.plan(cu.numpy(), slot=slot.key)
+        slot.device_buffer.copy_(staging, non_blocking=True)
+
+    def _forward_slot(self, slot: _Slot) -> None:
+        slot.output = self._forward(
+            slot.ids,
+            slot.positions,
+            slot.types,
+            slot.seg_ids,
+            slot.cu_seqlens,
+            slot.modes,
+            slot.normalize_flags.bool(),
+            slot.plan,
+            None,
+        )
+
+    def _evict_slot(self, key: GraphKey, slot: _Slot) -> None:
+        self._attention.release(key)
+
+    def __repr__(self) -> str:
+        i = self._info
+        return f"Engine({i.name!r}, {i.kind}, {i.device}/{i.dtype}, attention={self._attention.describe()})"

@@ -1,0 +1,163 @@
+"""Reading a Hugging Face model directory: config.json, the sentence-transformers settings
+(modules.json, pooling, prompts, max_seq_length) and the weights (safetensors, sharded
+safetensors or pytorch_model.bin)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rose.errors import EngineError
+from rose.models.bert import BertConfig
+
+__all__ = ["ModelInfo", "SentenceSettings", "read_config", "read_sentence_settings", "read_tensors"]
+
+_ST_POOLING_LEGACY = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+}
+_ST_POOLING_SUPPORTED = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
+# sentence-transformers module classes (last component of "type" in modules.json).
+_ST_MODULES_SUPPORTED = {"Transformer", "Pooling", "Normalize"}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a loaded model is and how it is used by default."""
+
+    name: str
+    kind: str  # "embedding" | "cross-encoder"
+    dimensions: int
+    max_input_tokens: int
+    vocab_size: int
+    num_labels: int
+    default_pooling: str  # "mean" | "cls" | "last"
+    default_normalize: bool
+    query_prompt: str
+    document_prompt: str
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class SentenceSettings:
+    """The sentence-transformers side of a model directory (defaults when absent)."""
+
+    pooling: str = "mean"
+    normalize: bool = False
+    query_prompt: str = ""
+    document_prompt: str = ""
+    max_seq_length: int | None = None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EngineError(f"{path}: file is missing") from None
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"{path}: cannot read JSON ({exc})") from None
+
+
+def read_config(model_dir: Path) -> BertConfig:
+    if not model_dir.is_dir():
+        raise EngineError(f"model directory {model_dir} does not exist")
+    raw = _read_json(model_dir / "config.json")
+    if not isinstance(raw, dict):
+        raise EngineError(f"{model_dir / 'config.json'}: expected a JSON object")
+    return BertConfig.from_dict(raw)
+
+
+def read_sentence_settings(model_dir: Path, classifier: bool) -> SentenceSettings:
+    """Pooling from the Pooling module's config, normalize from a Normalize module, prompts
+    from config_sentence_transformers.json, max_seq_length from sentence_bert_config.json."""
+    if classifier:
+        return SentenceSettings(pooling="cls", normalize=False)
+    pooling, normalize = "mean", False
+    modules_path = model_dir / "modules.json"
+    if modules_path.exists():
+        modules = _read_json(modules_path)
+        if not isinstance(modules, list):
+            raise EngineError(f"{modules_path}: expected a JSON list")
+        for module in modules:
+            kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+            if kind not in _ST_MODULES_SUPPORTED:
+                raise EngineError(
+                    f"{modules_path}: sentence-transformers module {kind!r} is not supported"
+                )
+            if kind == "Normalize":
+                normalize = True
+            elif kind == "Pooling":
+                pooling = _read_pooling(model_dir / str(module.get("path", "")) / "config.json")
+    prompts: dict[str, str] = {}
+    st_config = model_dir / "config_sentence_transformers.json"
+    if st_config.exists():
+        prompts = dict(_read_json(st_config).get("prompts") or {})
+    max_seq_length = None
+    bert_config = model_dir / "sentence_bert_config.json"
+    if bert_config.exists():
+        value = _read_json(bert_config).get("max_seq_length")
+        max_seq_length = int(value) if value is not None else None
+    return SentenceSettings(
+        pooling=pooling,
+        normalize=normalize,
+        query_prompt=str(prompts.get("query", "")),
+        document_prompt=str(prompts.get("passage", prompts.get("document", ""))),
+        max_seq_length=max_seq_length,
+    )
+
+
+def _read_pooling(path: Path) -> str:
+    raw = _read_json(path)
+    if raw.get("include_prompt", True) is not True:
+        raise EngineError(f"{path}: include_prompt=false is not supported")
+    mode = raw.get("pooling_mode")
+    if mode is None:
+        active = [name for key, name in _ST_POOLING_LEGACY.items() if raw.get(key)]
+        mode = active if len(active) != 1 else active[0]
+    if isinstance(mode, list) and len(mode) == 1:
+        mode = mode[0]
+    if not isinstance(mode, str) or mode not in _ST_POOLING_SUPPORTED:
+        raise EngineError(
+            f"{path}: pooling mode {mode!r} is not supported (supported: {sorted(_ST_POOLING_SUPPORTED)})"
+        )
+    return _ST_POOLING_SUPPORTED[mode]
+
+
+def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All checkpoint tensors on the CPU, from the first weight layout found:
+    model.safetensors, model.safetensors.index.json (shards), pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    legacy = model_dir / "pytorch_model.bin"
+    try:
+        if single.exists():
+            return load_file(str(single))
+        if index.exists():
+            shards = sorted(set(_read_json(index)["weight_map"].values()))
+            tensors: dict[str, torch.Tensor] = {}
+            for shard in shards:
+                tensors.update(load_file(str(model_dir / shard)))
+            return tensors
+        if legacy.exists():
+            loaded = torch.load(str(legacy), map_location="cpu", weights_only=True)
+            return dict(loaded)
+    except EngineError:
+        raise
+    except Exception as exc:
+        raise EngineError(
+            f"{model_dir}: cannot read weights ({type(exc).__name__}: {exc})"
+        ) from None
+    raise EngineError(
+        f"{model_dir}: no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)"
+    )

@@ -1,0 +1,411 @@
+"""BERT and XLM-RoBERTa encoders (and their sequence-classification heads) on ragged batches.
+
+Hidden states are [T, H]: the tokens of all rows concatenated, no padding. Attention is the
+only place rows meet and goes through an `AttentionBackend`. Differences between the two
+families are data in `BertConfig`: XLM-R numbers positions from padding_idx + 1 (computed by
+the engine on the host) and has one token type; heads differ as the checkpoints do:
+
+  BertForSequenceClassification        CLS → pooler.dense → tanh → classifier
+  XLMRobertaForSequenceClassification  CLS → classifier.dense → tanh → classifier.out_proj
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rose.attention.base import AttentionBackend
+from rose.errors import EngineError
+
+__all__ = [
+    "ARCHITECTURES",
+    "BertConfig",
+    "BertEncoder",
+    "BertFamilyModel",
+    "ClassificationHead",
+    "expected_weights",
+    "load_weights",
+    "position_ids",
+]
+
+# architecture in config.json → (family, has a classification head)
+ARCHITECTURES: dict[str, tuple[str, bool]] = {
+    "BertModel": ("bert", False),
+    "BertForMaskedLM": ("bert", False),
+    "BertForPreTraining": ("bert", False),
+    "BertForSequenceClassification": ("bert", True),
+    "XLMRobertaModel": ("xlm-roberta", False),
+    "XLMRobertaForMaskedLM": ("xlm-roberta", False),
+    "XLMRobertaForSequenceClassification": ("xlm-roberta", True),
+}
+_MODEL_TYPES = {"bert": "bert", "xlm-roberta": "xlm-roberta"}
+
+_DEFAULT_PAD = {"bert": 0, "xlm-roberta": 1}  # transformers' defaults per family
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+# Weight-name prefixes a checkpoint may put before the encoder's own names.
+_ENCODER_PREFIXES = ("", "bert.", "roberta.")
+# Checkpoint entries that are not weights of this model (pretraining heads, saved buffers).
+_IGNORED_PREFIXES = ("cls.", "lm_head.")
+_IGNORED_NAMES = ("embeddings.position_ids", "embeddings.token_type_ids")
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    """What the encoder needs from config.json."""
+
+    family: str  # "bert" | "xlm-roberta"
+    classifier: bool
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    hidden_act: str
+    layer_norm_eps: float
+    max_position_embeddings: int
+    type_vocab_size: int
+    pad_token_id: int
+    num_labels: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def position_offset(self) -> int:
+        """XLM-R's first position id is padding_idx + 1; BERT's is 0."""
+        return self.pad_token_id + 1 if self.family == "xlm-roberta" else 0
+
+    @property
+    def max_input_tokens(self) -> int:
+        return self.max_position_embeddings - self.position_offset
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> BertConfig:
+        archs = raw.get("architectures") or []
+        if len(archs) > 1:
+            raise EngineError(f"config.json lists several architectures {archs}; expected one")
+        if archs:
+            if archs[0] not in ARCHITECTURES:
+                raise EngineError(
+                    f"config.json: unsupported architecture {archs[0]!r}; "
+                    f"supported: {', '.join(sorted(ARCHITECTURES))}"
+                )
+            family, classifier = ARCHITECTURES[archs[0]]
+        else:
+            model_type = raw.get("model_type")
+            if model_type not in _MODEL_TYPES:
+                raise EngineError(f"config.json: unsupported model_type {model_type!r}")
+            family, classifier = _MODEL_TYPES[model_type], False
+        if raw.get("position_embedding_type", "absolute") != "absolute":
+            raise EngineError(
+                f"config.json: position_embedding_type {raw['position_embedding_type']!r} is not "
+                "supported (only 'absolute')"
+            )
+        act = raw.get("hidden_act", "gelu")
+        if act not in _ACTIVATIONS:
+            raise EngineError(f"config.json: hidden_act {act!r} is not supported")
+        try:
+            hidden = int(raw["hidden_size"])
+            heads = int(raw["num_attention_heads"])
+            cfg = cls(
+                family=family,
+                classifier=classifier,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=heads,
+                intermediate_size=int(raw["intermediate_size"]),
+                hidden_act=act,
+                layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+                max_position_embeddings=int(raw["max_position_embeddings"]),
+                type_vocab_size=int(raw.get("type_vocab_size", 2)),
+                pad_token_id=int(
+                    raw.get("pad_token_id")
+                    if raw.get("pad_token_id") is not None
+                    else _DEFAULT_PAD[family]
+                ),
+                num_labels=_num_labels(raw) if classifier else 0,
+            )
+        except KeyError as exc:
+            raise EngineError(f"config.json: missing key {exc.args[0]!r}") from None
+        if hidden % heads:
+            raise EngineError(
+                f"config.json: hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
+            )
+        return cfg
+
+
+def _num_labels(raw: Mapping[str, Any]) -> int:
+    if "id2label" in raw:
+        return len(raw["id2label"])
+    return int(raw.get("num_labels", 2))
+
+
+class Embeddings(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None
+    ) -> torch.Tensor:
+        x = self.word(ids) + self.position(positions)  # [T, H]
+        if types is None:
+            x = x + self.token_type.weight[0]
+        else:
+            x = x + self.token_type(types)
+        return self.norm(x)
+
+
+class Attention(nn.Module):
+    """Self-attention with one fused QKV projection, then output projection (no norm)."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.head_dim = cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, backend: AttentionBackend, state: Any) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3, heads, D]
+        q, k, v = qkv.unbind(1)  # each [T, heads, D]
+        o = backend.attend(q, k, v, state)  # [T, heads, D]
+        return self.out(o.reshape(tokens, self.num_heads * self.head_dim))  # [T, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.up(x)))  # [T, H]
+
+
+class Layer(nn.Module):
+    """Post-norm transformer layer: x = LN(x + Attn(x)); x = LN(x + MLP(x))."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.attention_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.mlp = MLP(cfg)
+        self.mlp_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, backend: AttentionBackend, state: Any) -> torch.Tensor:
+        x = self.attention_norm(x + self.attention(x, backend, state))
+        return self.mlp_norm(x + self.mlp(x))
+
+
+class BertEncoder(nn.Module):
+    """Embeddings and layers: ragged ids [T] → hidden states [T, H]."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = Embeddings(cfg)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        types: torch.Tensor | None,
+        backend: AttentionBackend,
+        state: Any,
+    ) -> torch.Tensor:
+        x = self.embeddings(ids, positions, types)  # [T, H]
+        for layer in self.layers:
+            x = layer(x, backend, state)
+        return x
+
+
+class ClassificationHead(nn.Module):
+    """CLS hidden state [B, H] → logits [B, num_labels]: dense, tanh, projection.
+
+    For BERT the dense layer is the checkpoint's pooler and the projection its classifier;
+    for XLM-R both live in the checkpoint's classifier head. The computation is the same.
+    """
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_labels)
+
+    def forward(self, cls_hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.tanh(self.dense(cls_hidden)))  # [B, num_labels]
+
+
+# -- weights ---------------------------------------------------------------------------------
+
+
+def expected_weights(cfg: BertConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Our parameter name → (checkpoint names, without the encoder prefix, concatenated along
+    dim 0; the parameter's shape). The checkpoint must hold exactly these (plus ignorables)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    m: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
+        "encoder.embeddings.word.weight": (
+            ("embeddings.word_embeddings.weight",),
+            (cfg.vocab_size, h),
+        ),
+        "encoder.embeddings.position.weight": (
+            ("embeddings.position_embeddings.weight",),
+            (cfg.max_position_embeddings, h),
+        ),
+        "encoder.embeddings.token_type.weight": (
+            ("embeddings.token_type_embeddings.weight",),
+            (cfg.type_vocab_size, h),
+        ),
+        "encoder.embeddings.norm.weight": (("embeddings.LayerNorm.weight",), (h,)),
+        "encoder.embeddings.norm.bias": (("embeddings.LayerNorm.bias",), (h,)),
+    }
+    for n in range(cfg.num_layers):
+        src, dst = f"encoder.layer.{n}.", f"encoder.layers.{n}."
+        qkv = tuple(f"{src}attention.self.{p}" for p in ("query", "key", "value"))
+        m[dst + "attention.qkv.weight"] = (tuple(f"{q}.weight" for q in qkv), (3 * h, h))
+        m[dst + "attention.qkv.bias"] = (tuple(f"{q}.bias" for q in qkv), (3 * h,))
+        m[dst + "attention.out.weight"] = ((src + "attention.output.dense.weight",), (h, h))
+        m[dst + "attention.out.bias"] = ((src + "attention.output.dense.bias",), (h,))
+        m[dst + "attention_norm.weight"] = ((src + "attention.output.LayerNorm.weight",), (h,))
+        m[dst + "attention_norm.bias"] = ((src + "attention.output.LayerNorm.bias",), (h,))
+        m[dst + "mlp.up.weight"] = ((src + "intermediate.dense.weight",), (i, h))
+        m[dst + "mlp.up.bias"] = ((src + "intermediate.dense.bias",), (i,))
+        m[dst + "mlp.down.weight"] = ((src + "output.dense.weight",), (h, i))
+        m[dst + "mlp.down.bias"] = ((src + "output.dense.bias",), (h,))
+        m[dst + "mlp_norm.weight"] = ((src + "output.LayerNorm.weight",), (h,))
+        m[dst + "mlp_norm.bias"] = ((src + "output.LayerNorm.bias",), (h,))
+    return m
+
+
+def _head_weights(
+    cfg: BertConfig, prefix: str
+) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Head parameters by their full checkpoint names (heads sit outside the encoder prefix)."""
+    h, n = cfg.hidden_size, cfg.num_labels
+    if cfg.family == "bert":
+        dense, proj = (f"{prefix}pooler.dense", "classifier")
+    else:
+        dense, proj = ("classifier.dense", "classifier.out_proj")
+    return {
+        "head.dense.weight": ((f"{dense}.weight",), (h, h)),
+        "head.dense.bias": ((f"{dense}.bias",), (h,)),
+        "head.proj.weight": ((f"{proj}.weight",), (n, h)),
+        "head.proj.bias": ((f"{proj}.bias",), (n,)),
+    }
+
+
+def _with_legacy_norm_names(
+    tensors: Mapping[str, torch.Tensor], wanted: set[str]
+) -> dict[str, torch.Tensor]:
+    """Old TF-converted checkpoints call LayerNorm parameters gamma/beta: accept those
+    spellings for the LayerNorm names we expect (and only those)."""
+    out = dict(tensors)
+    for name in wanted:
+        for new, old in (
+            ("LayerNorm.weight", "LayerNorm.gamma"),
+            ("LayerNorm.bias", "LayerNorm.beta"),
+        ):
+            if name.endswith(new) and name not in out:
+                legacy = name[: -len(new)] + old
+                if legacy in out:
+                    out[name] = out.pop(legacy)
+    return out
+
+
+def load_weights(cfg: BertConfig, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map checkpoint tensors to this module tree's state dict; raise EngineError on any
+    missing, unexpected or misshapen weight."""
+    anchor = "embeddings.word_embeddings.weight"
+    prefixes = [p for p in _ENCODER_PREFIXES if p + anchor in tensors]
+    if len(prefixes) != 1:
+        raise EngineError(
+            f"weights: expected exactly one of {[p + anchor for p in _ENCODER_PREFIXES]}, found {len(prefixes)}"
+        )
+    prefix = prefixes[0]
+    spec = {
+        dst: (tuple(prefix + s for s in srcs), shape)
+        for dst, (srcs, shape) in expected_weights(cfg).items()
+    }
+    if cfg.classifier:
+        spec.update(_head_weights(cfg, prefix))
+    used = {s for srcs, _ in spec.values() for s in srcs}
+    tensors = _with_legacy_norm_names(tensors, used)
+    missing = sorted(s for s in used if s not in tensors)
+    if missing:
+        raise EngineError(f"weights: missing {len(missing)} tensors, e.g. {missing[:5]}")
+    optional = {prefix + "pooler.dense.weight", prefix + "pooler.dense.bias"}
+    unexpected = sorted(
+        k
+        for k in tensors
+        if k not in used
+        and k not in optional
+        and not k.startswith(_IGNORED_PREFIXES)
+        and k.removeprefix(prefix) not in _IGNORED_NAMES
+    )
+    if unexpected:
+        raise EngineError(f"weights: {len(unexpected)} unexpected tensors, e.g. {unexpected[:5]}")
+    state: dict[str, torch.Tensor] = {}
+    for dst, (srcs, shape) in spec.items():
+        parts = [tensors[s] for s in srcs]
+        if len(parts) > 1 and any(
+            tuple(p.shape) != (shape[0] // len(parts), *shape[1:]) for p in parts
+        ):
+            raise EngineError(
+                f"weights: {', '.join(srcs)} do not each have shape {(shape[0] // len(parts), *shape[1:])}"
+            )
+        value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if tuple(value.shape) != shape:
+            raise EngineError(
+                f"weights: {'+'.join(srcs)} has shape {tuple(value.shape)}, expected {shape}"
+            )
+        state[dst] = value
+    return state
+
+
+class BertFamilyModel(nn.Module):
+    """The encoder plus, for cross-encoders, the classification head."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = BertEncoder(cfg)
+        self.head = ClassificationHead(cfg) if cfg.classifier else None
+
+
+def position_ids(cfg: BertConfig, ids: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
+    """[T] int64 absolute positions per row, as the reference models number them.
+
+    BERT: 0, 1, 2, ... XLM-R: padding_idx + 1, + 2, ... counting only non-padding tokens;
+    padding tokens themselves sit at padding_idx (fairseq's make_positions).
+    """
+    lengths = np.diff(cu_seqlens).astype(np.int64)
+    starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)  # [T]
+    if cfg.family != "xlm-roberta":
+        return np.arange(ids.size, dtype=np.int64) - starts
+    real = (ids != cfg.pad_token_id).astype(np.int64)  # [T]
+    running = np.cumsum(real)  # [T]
+    before_row = np.concatenate(([0], running))[starts]  # [T] count before the row's first token
+    return (running - before_row) * real + cfg.pad_token_id

@@ -1,0 +1,97 @@
+"""GPU paths: clean imports everywhere; real CUDA-graph capture and FlashInfer where CUDA is.
+
+The CUDA tests need a GPU and skip on machines without one (CI runs on CPU; the decisions of
+the graph manager are tested on CPU in test_rose_graphs.py). `python -m bench gpu_check` is
+the prepared end-to-end check for a lent GPU.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from rose import Engine, EngineConfig, RaggedBatch
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_import_rose_is_light_and_gpu_modules_import_without_cuda() -> None:
+    code = (
+        "import sys, rose; assert 'torch' not in sys.modules, 'import rose pulled in torch';"
+        "from rose.attention.flashinfer import import_flashinfer; import rose.graphs, rose.lazy;"
+        "m, why = import_flashinfer(); print('ok', m is None or m.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok")
+
+
+def test_cpu_picks_sdpa_and_logs_once(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    _tiny(tmp_path)
+    with caplog.at_level("INFO", logger="rose.attention"):
+        engine = Engine.load(tmp_path, EngineConfig(attention="flashinfer"))
+    assert engine.attention.name == "sdpa"
+    lines = [r.getMessage() for r in caplog.records if r.name == "rose.attention"]
+    assert lines == ["rose attention backend: sdpa (auto) (FlashInfer needs CUDA)"]
+
+
+def _tiny(where: Path) -> Path:
+    torch.manual_seed(3)
+    cfg = transformers.XLMRobertaConfig(
+        vocab_size=100,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=300,
+        type_vocab_size=1,
+        pad_token_id=1,
+    )
+    transformers.XLMRobertaModel(cfg, add_pooling_layer=False).save_pretrained(where)
+    return where
+
+
+def _batches() -> list[RaggedBatch]:
+    rng = np.random.default_rng(0)
+    return [
+        RaggedBatch.from_lists([rng.integers(3, 100, n).tolist() for n in lengths])
+        for lengths in ([16], [5, 60, 33], [200, 7, 7, 90, 1])
+    ]
+
+
+@needs_cuda
+@pytest.mark.parametrize("attention", ["sdpa", "flashinfer"])
+def test_cuda_graph_replay_matches_eager(tmp_path: Path, attention: str) -> None:
+    _tiny(tmp_path)
+    eager = Engine.load(
+        tmp_path, EngineConfig(device="cuda", dtype="bfloat16", attention="sdpa", cuda_graphs=False)
+    )
+    graphed = Engine.load(
+        tmp_path, EngineConfig(device="cuda", dtype="bfloat16", attention=attention)
+    )
+    assert graphed.graphs is not None
+    for batch in _batches():
+        want = eager.step(batch).wait()
+        for _ in range(3):  # warm-up, capture + replay, replay
+            lazy = graphed.step(batch)
+            got = lazy.wait()
+            assert lazy.ready() and got.device.type == "cpu" and got.dtype == torch.float32
+            assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min().item() >= 0.999
+    assert all(graphed.graphs.captured(k) for k in graphed.graphs.keys())
+
+
+@needs_cuda
+def test_cuda_matches_cpu_fp32(tmp_path: Path) -> None:
+    _tiny(tmp_path)
+    cpu = Engine.load(tmp_path)
+    gpu = Engine.load(tmp_path, EngineConfig(device="cuda", dtype="float32", cuda_graphs=False))
+    for batch in _batches():
+        torch.testing.assert_close(
+            gpu.step(batch).wait(), cpu.step(batch).wait(), atol=1e-4, rtol=0
+        )
