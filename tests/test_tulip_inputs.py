@@ -1,0 +1,116 @@
+"""Request validation: every invalid-input class is rejected with a message naming it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protos.trellis.v1 import inference_pb2 as pb
+from protos.wire import pack_token_batch
+from tulip.errors import InvalidInput
+from tulip.inputs import ModelLimits, embed_work, score_work
+
+EMBEDDER = ModelLimits(
+    kind="embedding", vocab_size=1000, max_input_tokens=8, dimensions=16, default_normalize=True
+)
+RERANKER = ModelLimits(
+    kind="cross-encoder", vocab_size=1000, max_input_tokens=8, dimensions=0, default_normalize=False
+)
+
+
+def embed(rows: list[list[int]], **fields: int) -> pb.EmbedRequest:
+    request = pb.EmbedRequest(inputs=pack_token_batch(rows))
+    for name, value in fields.items():
+        setattr(request, name, value)
+    return request
+
+
+def test_valid_embed_request_keeps_inputs_together() -> None:
+    request = embed([[0, 5, 2], [0, 999, 7, 2]], pooling=pb.POOLING_CLS, dimensions=8)
+    work, options = embed_work(request, EMBEDDER)
+    assert work.ids.tolist() == [0, 5, 2, 0, 999, 7, 2]
+    assert work.lengths.tolist() == [3, 4]
+    assert (work.rows, work.tokens) == (2, 7)
+    assert work.pooling == "cls" and work.normalize is None
+    assert options.dimensions == 8 and options.normalize is True
+    _, defaults = embed_work(embed([[1]], normalize=pb.NORMALIZE_OFF), EMBEDDER)
+    assert defaults.dimensions == 16 and defaults.normalize is False
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (embed([]), r"inputs: no inputs"),
+        (embed([[1, 2], []]), r"inputs\[1\]: empty sequence"),
+        (embed([[1], [2], [3, 1000]]), r"inputs\[2\]: token id 1000 at position 1 is outside"),
+        (embed([[1] * 9]), r"inputs\[0\]: 9 tokens is longer than the model's maximum of 8"),
+        (
+            pb.EmbedRequest(inputs=pb.TokenBatch(ids=b"\x01\x00\x00\x00" * 3, lengths=[2])),
+            r"inputs: lengths sum to 2 but ids holds 3 tokens",
+        ),
+        (
+            pb.EmbedRequest(inputs=pb.TokenBatch(ids=b"\x01\x00\x00", lengths=[1])),
+            r"inputs: ids holds 3 bytes",
+        ),
+        (embed([[1]], dimensions=17), r"dimensions: 17 is more than the model's 16"),
+        (embed([[1]], pooling=9), r"pooling: unknown value 9"),
+        (embed([[1]], dtype=7), r"dtype: unknown value 7"),
+    ],
+)
+def test_invalid_embed_inputs_are_named(request_: pb.EmbedRequest, message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        embed_work(request_, EMBEDDER)
+
+
+def test_wrong_rpc_for_the_model_kind() -> None:
+    with pytest.raises(InvalidInput, match="Embed needs an embedding model"):
+        embed_work(embed([[1]]), RERANKER)
+    with pytest.raises(InvalidInput, match="Score needs a cross-encoder"):
+        score_work(pb.ScoreRequest(pairs=pack_token_batch([[1]])), EMBEDDER)
+
+
+def test_score_pairs_and_segments() -> None:
+    request = pb.ScoreRequest(
+        pairs=pack_token_batch([[0, 4, 2, 2, 9, 2], [0, 5, 2]]), first_segment_lengths=[3, 3]
+    )
+    work, activation = score_work(request, RERANKER)
+    assert work.first_segment_lengths is not None
+    assert work.first_segment_lengths.tolist() == [3, 3] and activation == "default"
+    assert (
+        score_work(pb.ScoreRequest(pairs=pack_token_batch([[1]])), RERANKER)[
+            0
+        ].first_segment_lengths
+        is None
+    )
+    bad_count = pb.ScoreRequest(pairs=pack_token_batch([[1], [2]]), first_segment_lengths=[1])
+    with pytest.raises(InvalidInput, match="first_segment_lengths: 1 values for 2 pairs"):
+        score_work(bad_count, RERANKER)
+    too_long = pb.ScoreRequest(pairs=pack_token_batch([[1], [2, 3]]), first_segment_lengths=[1, 3])
+    with pytest.raises(InvalidInput, match=r"pairs\[1\]: first segment of 3 tokens"):
+        score_work(too_long, RERANKER)
+    with pytest.raises(InvalidInput, match=r"pairs\[0\]: token id 1000"):
+        score_work(pb.ScoreRequest(pairs=pack_token_batch([[1000]])), RERANKER)
+
+
+def test_vocabulary_check_is_exact_at_the_boundary() -> None:
+    work, _ = embed_work(embed([[999]]), EMBEDDER)
+    assert work.ids.dtype == np.uint32
+    with pytest.raises(InvalidInput, match="token id 1000"):
+        embed_work(embed([[1000]]), EMBEDDER)
+
+
+def test_segments_are_dropped_for_models_with_one_token_type() -> None:
+    one_type = ModelLimits(
+        kind="cross-encoder",
+        vocab_size=1000,
+        max_input_tokens=8,
+        dimensions=0,
+        default_normalize=False,
+        token_types=1,
+    )
+    request = pb.ScoreRequest(pairs=pack_token_batch([[0, 4, 2, 9]]), first_segment_lengths=[3])
+    assert score_work(request, one_type)[0].first_segment_lengths is None
+    # ... but a malformed value is still an error.
+    bad = pb.ScoreRequest(pairs=pack_token_batch([[0, 4]]), first_segment_lengths=[3])
+    with pytest.raises(InvalidInput, match=r"pairs\[0\]: first segment"):
+        score_work(bad, one_type)

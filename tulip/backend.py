@@ -1,0 +1,171 @@
+"""The ROSE engine behind Tulip's scheduler: loading, warm-up, batches and post-processing.
+
+`Engine.step` returns at once on CUDA but computes the whole batch before returning on
+the CPU, so every step runs on one dedicated engine thread: the event loop never blocks
+(admission, cancellation and health keep answering while a batch computes), and steps
+still reach the engine in order, one after the other.
+
+`rose` (and torch) are imported only when a model is loaded, so the rest of the package
+stays importable and testable without them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Awaitable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from protos.trellis.v1 import inference_pb2 as pb
+from tulip.config import TulipConfig
+from tulip.inputs import ModelLimits
+from tulip.scheduler import BatchInputs
+from tulip.service import ServedModel
+
+__all__ = ["RoseBackend", "resolve_model_dir"]
+
+_KINDS = {
+    "embedding": pb.MODEL_KIND_EMBEDDING,
+    "cross-encoder": pb.MODEL_KIND_CROSS_ENCODER,
+    "generator": pb.MODEL_KIND_GENERATOR,
+}
+_POOLINGS = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS, "last": pb.POOLING_LAST_TOKEN}
+_WARMUP_TOKENS = 16
+
+
+def resolve_model_dir(model: str) -> Path:
+    """A directory is used as is; anything else is an asset name for `rose.assets`."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if os.sep in model or model.startswith("."):
+        raise FileNotFoundError(f"--model: directory {model!r} does not exist")
+    from rose.assets import ensure_model
+
+    return Path(ensure_model(model))
+
+
+class RoseBackend:
+    """One loaded ROSE engine, as the scheduler and the service use it."""
+
+    def __init__(self, engine: Any, model_name: str, token_types: int = 2) -> None:
+        self._engine = engine
+        info = engine.info
+        self.served = ServedModel(
+            name=model_name,
+            limits=ModelLimits(
+                kind=str(info.kind),
+                vocab_size=int(info.vocab_size),
+                max_input_tokens=int(info.max_input_tokens),
+                dimensions=int(info.dimensions or 0),
+                default_normalize=bool(info.default_normalize),
+                token_types=token_types,
+            ),
+            info=pb.InfoResponse(
+                model_name=model_name,
+                kind=_KINDS.get(str(info.kind), pb.MODEL_KIND_UNSPECIFIED),
+                dimensions=int(info.dimensions or 0),
+                max_input_tokens=int(info.max_input_tokens),
+                vocab_size=int(info.vocab_size),
+                num_labels=int(info.num_labels or 0),
+                default_pooling=_POOLINGS.get(str(info.default_pooling), pb.POOLING_DEFAULT),
+                default_normalize=bool(info.default_normalize),
+                query_prompt=info.query_prompt or "",
+                document_prompt=info.document_prompt or "",
+                device=str(info.device),
+                dtype=str(info.dtype).removeprefix("torch."),
+            ),
+        )
+        self._num_labels = int(info.num_labels or 0)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tulip-engine")
+
+    @classmethod
+    def load(cls, config: TulipConfig) -> RoseBackend:
+        """Resolve, load and return the engine for `config` (blocking; run it in a thread)."""
+        import torch
+
+        from rose import Engine, EngineConfig
+
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        model_dir = resolve_model_dir(config.model)
+        device = config.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        engine = Engine.load(
+            model_dir,
+            EngineConfig(
+                device=device,
+                dtype=None if config.dtype == "auto" else config.dtype,
+                cuda_graphs=config.cuda_graphs,
+                max_graphs=64,
+            ),
+        )
+        return cls(engine, config.model_name or model_dir.name, _token_types(model_dir))
+
+    # -- the scheduler's Backend protocol ------------------------------------------------
+
+    def step(self, batch: BatchInputs) -> Awaitable[np.ndarray]:
+        """Queue `batch` on the engine thread now; the awaitable yields its result rows."""
+        return _rows(self._thread.submit(self._step, batch))
+
+    def _step(self, batch: BatchInputs) -> Any:
+        from rose import RaggedBatch
+
+        ragged = RaggedBatch.from_packed(
+            batch.ids,
+            batch.lengths,
+            first_segment_lengths=batch.first_segment_lengths,
+            pooling=batch.pooling,
+            normalize=batch.normalize,
+        )
+        return self._engine.step(ragged)
+
+    def close(self) -> None:
+        """Stop the engine thread once the steps already queued have run."""
+        self._thread.shutdown(wait=False)
+
+    async def warm_up(self) -> None:
+        """Run one small batch through the engine so the first request pays no set-up."""
+        limits = self.served.limits
+        length = min(_WARMUP_TOKENS, limits.max_input_tokens)
+        ids = (np.arange(2 * length, dtype=np.uint32) % limits.vocab_size).astype(np.uint32)
+        lengths = np.array([length, length], dtype=np.uint32)
+        first = lengths // 2 if limits.kind == "cross-encoder" else None
+        batch = BatchInputs(
+            ids=ids, lengths=lengths, first_segment_lengths=first, pooling=None, normalize=None
+        )
+        await self.step(batch)
+
+    # -- post-processing -----------------------------------------------------------------
+
+    def shape_embeddings(self, rows: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:
+        """Matryoshka truncation (then renormalization when normalizing) of pooled rows."""
+        if dimensions >= rows.shape[1]:
+            return rows
+        from rose.pooling import truncate_dimensions
+
+        return truncate_dimensions(rows, dimensions, normalize)
+
+    def activate(self, logits: np.ndarray, activation: str) -> np.ndarray:
+        """Scores from raw logits ("default": sigmoid for one label, none otherwise)."""
+        from rose.pooling import apply_activation
+
+        return apply_activation(logits, activation, self._num_labels)
+
+
+def _token_types(model_dir: Path) -> int:
+    """config.json's ``type_vocab_size`` (the Hugging Face default, 2, when absent)."""
+    raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    return int(raw.get("type_vocab_size", 2))
+
+
+async def _rows(step: Future[Any]) -> np.ndarray:
+    lazy = await asyncio.wrap_future(step)
+    tensor = await lazy
+    return tensor.numpy()

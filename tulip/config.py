@@ -1,0 +1,149 @@
+"""`TulipConfig`: the server's whole configuration, read once from flags and environment.
+
+Every flag ``--some-flag`` can also be given as the environment variable
+``TULIP_SOME_FLAG``; a flag on the command line wins over the environment. Values are
+validated here, and every error names the flag it is about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = ["ConfigError", "TulipConfig", "env_name"]
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing or invalid; the message names the flag."""
+
+
+def env_name(flag: str) -> str:
+    """``--max-batch-tokens`` -> ``TULIP_MAX_BATCH_TOKENS``."""
+    return "TULIP_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+@dataclass(frozen=True)
+class TulipConfig:
+    """How one Tulip process serves one model."""
+
+    model: str
+    """A model directory, or an asset name resolved with `rose.assets.ensure_model`."""
+    model_name: str = ""
+    """Name reported by `Info`; empty means the model directory's basename."""
+    host: str = "0.0.0.0"
+    port: int = 50051
+    device: str = "auto"
+    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
+    dtype: str = "auto"
+    """``auto`` (the engine's choice for the device), ``float32``, ``bfloat16`` or ``float16``."""
+    max_batch_tokens: int = 16384
+    max_batch_rows: int = 256
+    max_queued_tokens: int = 262144
+    cuda_graphs: bool = True
+    metrics_port: int = 9100
+    """Port of the Prometheus endpoint; 0 disables it."""
+    drain_seconds: float = 30.0
+    """Grace period after SIGTERM for queued and in-flight work."""
+    threads: int | None = None
+    """torch intra-op threads; None leaves torch's default (all cores)."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ConfigError("--model is required (a model directory or an asset name)")
+        if not self.host:
+            raise ConfigError("--host must not be empty")
+        for key, value, low in (
+            ("--port", self.port, 0),
+            ("--metrics-port", self.metrics_port, 0),
+        ):
+            if not low <= value <= 65535:
+                raise ConfigError(f"{key} must be in [{low}, 65535], got {value}")
+        if not _DEVICE.match(self.device):
+            raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        for key, value in (
+            ("--max-batch-tokens", self.max_batch_tokens),
+            ("--max-batch-rows", self.max_batch_rows),
+            ("--max-queued-tokens", self.max_queued_tokens),
+        ):
+            if value < 1:
+                raise ConfigError(f"{key} must be at least 1, got {value}")
+        if self.drain_seconds < 0:
+            raise ConfigError(f"--drain-seconds must not be negative, got {self.drain_seconds}")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"--threads must be at least 1, got {self.threads}")
+
+    @classmethod
+    def from_args(
+        cls, argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> TulipConfig:
+        """Build from command-line flags, falling back to ``TULIP_*`` environment variables."""
+        env = dict(environ or {})
+        parser = _parser()
+        args = parser.parse_args(list(argv or []))
+        values: dict[str, object] = {}
+        for field in dataclasses.fields(cls):
+            flag = "--" + field.name.replace("_", "-")
+            given = getattr(args, field.name)
+            if given is None and env_name(flag) in env:
+                given = _parse_env(flag, field.name, env[env_name(flag)])
+            if given is not None:
+                values[field.name] = given
+        if "model" not in values:
+            raise ConfigError("--model is required (or set TULIP_MODEL)")
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tulip",
+        description="Tulip: gRPC inference server for one model "
+        "(every flag can also be set as TULIP_<FLAG>, e.g. TULIP_MAX_BATCH_TOKENS).",
+    )
+    add = parser.add_argument
+    add("--model", help="model directory or asset name (rose.assets)")
+    add("--model-name", help="served model name (default: the directory's basename)")
+    add("--host", help="listen address (default 0.0.0.0)")
+    add("--port", type=int, help="gRPC port (default 50051)")
+    add("--device", help="auto | cpu | cuda | cuda:N (default auto)")
+    add("--dtype", help="auto | float32 | bfloat16 | float16 (default auto)")
+    add("--max-batch-tokens", type=int, help="token budget of one batch (default 16384)")
+    add("--max-batch-rows", type=int, help="row cap of one batch (default 256)")
+    add("--max-queued-tokens", type=int, help="admission limit on queued tokens (default 262144)")
+    add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="CUDA graphs")
+    add("--metrics-port", type=int, help="Prometheus port, 0 disables (default 9100)")
+    add("--drain-seconds", type=float, help="grace period on SIGTERM (default 30)")
+    add("--threads", type=int, help="torch intra-op threads (default: all cores)")
+    return parser
+
+
+def _parse_env(flag: str, name: str, raw: str) -> object:
+    field_type = {f.name: f.type for f in dataclasses.fields(TulipConfig)}[name]
+    text = raw.strip()
+    key = f"{env_name(flag)} ({flag})"
+    if field_type == "bool":
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ConfigError(f"{key} must be a boolean (true/false/1/0), got {raw!r}")
+    if field_type in ("int", "int | None"):
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"{key} must be an integer, got {raw!r}") from None
+    if field_type == "float":
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number, got {raw!r}") from None
+    return text

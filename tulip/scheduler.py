@@ -1,0 +1,390 @@
+"""First-come-first-served batching by token budget, with one batch prefetched.
+
+One asyncio task owns the queue. Request handlers only call `Scheduler.submit` (which
+admits or rejects at once) and await the returned future. The owner task:
+
+* fills a batch from the head of the queue up to ``max_batch_tokens`` and
+  ``max_batch_rows``, never splitting a request; a request bigger than the budget runs on
+  its own;
+* drops requests whose future was cancelled (the client went away) or whose deadline has
+  passed, before they reach the engine;
+* keeps at most two batches with the engine: batch N running and batch N+1 already formed
+  and submitted, so the engine never waits for Python between batches;
+* answers each request with exactly its own rows of the batch result;
+* when the engine fails on a batch of several requests, retries each in a batch of its
+  own, so the failure reaches only the request that caused it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from tulip.errors import DeadlineExpired, Draining, EngineFailed, Overloaded
+from tulip.inputs import Work
+from tulip.metrics import Metrics
+
+__all__ = ["Backend", "BatchInputs", "BatchLimits", "Result", "Scheduler"]
+
+log = logging.getLogger("tulip.scheduler")
+
+_PIPELINE_DEPTH = 2  # the running batch plus exactly one prefetched batch
+
+
+@dataclass(frozen=True, eq=False)
+class BatchInputs:
+    """One engine batch: the packed inputs of every request in it, in queue order."""
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    first_segment_lengths: np.ndarray | None
+    pooling: list[str | None] | None
+    normalize: list[bool | None] | None
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.size)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.ids.size)
+
+
+class Backend(Protocol):
+    """What the scheduler needs from an engine."""
+
+    def step(self, batch: BatchInputs) -> Awaitable[np.ndarray]:
+        """Start computing `batch` now; the awaitable yields one result row per input."""
+        ...
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_batch_tokens: int
+    max_batch_rows: int
+    max_queued_tokens: int
+
+
+@dataclass(frozen=True, eq=False)
+class Result:
+    """A request's rows of its batch result and where its time went."""
+
+    rows: np.ndarray
+    queue_us: int
+    inference_us: int
+
+
+@dataclass(eq=False)
+class _Job:
+    work: Work
+    future: asyncio.Future[Result]
+    admitted: float
+    deadline: float | None
+    queued: bool = True
+    alone: bool = False
+    """Retry of a failed shared batch: runs in a batch of its own."""
+
+
+@dataclass(eq=False)
+class _Flight:
+    jobs: list[_Job]
+    rows: int
+    tokens: int
+    submitted: float
+    task: asyncio.Future[np.ndarray]
+    started: float | None = None
+    """When the engine began this batch: its submission, or the previous batch's end."""
+
+
+class Scheduler:
+    """Owns the request queue and the engine's batch pipeline (one per server)."""
+
+    def __init__(self, backend: Backend, limits: BatchLimits, metrics: Metrics) -> None:
+        self._backend = backend
+        self._limits = limits
+        self._metrics = metrics
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._queued_tokens = 0
+        self._queued_requests = 0
+        self._arrival = asyncio.Event()
+        self._closing = False
+        self._owner: asyncio.Task[None] | None = None
+
+    # -- handlers' side ------------------------------------------------------------------
+
+    def submit(self, work: Work, deadline: float | None = None) -> asyncio.Future[Result]:
+        """Admit `work` or raise `Overloaded` / `Draining` at once.
+
+        `deadline` is a `time.monotonic()` instant after which the work is dropped if it
+        has not reached the engine yet. Cancelling the returned future drops the work.
+        """
+        if self._closing:
+            raise Draining("server is shutting down; retry on another replica")
+        limit = self._limits.max_queued_tokens
+        if work.tokens > limit:
+            raise Overloaded(
+                f"request of {work.tokens} tokens is larger than the queue limit "
+                f"({limit} tokens); split it"
+            )
+        if self._queued_tokens + work.tokens > limit:
+            raise Overloaded(
+                f"queue full: {self._queued_tokens} tokens queued, limit {limit}; retry later"
+            )
+        future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        job = _Job(work=work, future=future, admitted=time.monotonic(), deadline=deadline)
+        future.add_done_callback(functools.partial(self._on_done, job))
+        self._queue.append(job)
+        self._queued_tokens += work.tokens
+        self._queued_requests += 1
+        self._publish_queue()
+        self._arrival.set()
+        return future
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._queued_tokens
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._owner is None:
+            self._owner = asyncio.get_running_loop().create_task(self._run(), name="tulip-batcher")
+
+    def close(self) -> None:
+        """Admit nothing more; queued and in-flight work still completes."""
+        self._closing = True
+        self._arrival.set()
+
+    async def drain(self, timeout: float) -> bool:
+        """Close, then wait up to `timeout` seconds for all admitted work to be answered.
+
+        Returns whether everything was answered; on timeout the work still queued is
+        failed with `Draining` and the owner task is stopped.
+        """
+        self.close()
+        if self._owner is None:
+            self._fail_queued(Draining("server shut down before the request was computed"))
+            return True
+        done, _ = await asyncio.wait({self._owner}, timeout=timeout)
+        if done:
+            return True
+        self._owner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._owner
+        self._fail_queued(Draining("server shut down before the request was computed"))
+        return False
+
+    # -- the owner task ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        flights: collections.deque[_Flight] = collections.deque()
+        try:
+            while True:
+                self._arrival.clear()
+                if len(flights) < _PIPELINE_DEPTH and self._queued_requests:
+                    flight = self._launch(previous=flights[-1] if flights else None)
+                    if flight is not None:
+                        flights.append(flight)
+                    continue
+                if not flights:
+                    if self._closing and not self._queued_requests:
+                        return
+                    await self._arrival.wait()
+                    continue
+                head = flights[0]
+                if len(flights) < _PIPELINE_DEPTH and not self._closing:
+                    # Room for a prefetched batch: wake on its completion or new work.
+                    arrival = asyncio.ensure_future(self._arrival.wait())
+                    waiters: set[asyncio.Future[Any]] = {head.task, arrival}
+                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+                    arrival.cancel()
+                    if not head.task.done():
+                        continue
+                else:
+                    await asyncio.wait({head.task})
+                flights.popleft()
+                self._finish(head, next_flight=flights[0] if flights else None)
+        except Exception:
+            log.exception("tulip: the batcher failed; refusing new work")
+            self._closing = True
+            raise
+        finally:
+            self._fail_queued(Draining("the batcher stopped before the request was computed"))
+            for flight in flights:
+                flight.task.cancel()
+                for job in flight.jobs:
+                    if not job.future.done():
+                        job.future.set_exception(
+                            Draining("server shut down before the batch finished")
+                        )
+
+    def _launch(self, previous: _Flight | None) -> _Flight | None:
+        """Form the next batch from the queue head and hand it to the engine."""
+        jobs: list[_Job] = []
+        tokens = rows = 0
+        now = time.monotonic()
+        while self._queue:
+            job = self._queue[0]
+            if not job.queued:  # cancelled while waiting; already accounted for
+                self._queue.popleft()
+                continue
+            if job.deadline is not None and now >= job.deadline:
+                self._queue.popleft()
+                self._dequeue(job)
+                self._metrics.dropped.labels(reason="deadline").inc()
+                job.future.set_exception(DeadlineExpired("deadline passed while queued"))
+                continue
+            work = job.work
+            if jobs and (
+                job.alone
+                or tokens + work.tokens > self._limits.max_batch_tokens
+                or rows + work.rows > self._limits.max_batch_rows
+            ):
+                break
+            self._queue.popleft()
+            self._dequeue(job)
+            jobs.append(job)
+            tokens += work.tokens
+            rows += work.rows
+            if job.alone:
+                break
+        self._publish_queue()
+        if not jobs:
+            return None
+        batch = _assemble(jobs)
+        submitted = time.monotonic()
+        try:
+            task = asyncio.ensure_future(self._backend.step(batch))
+        except Exception as error:  # the engine refused the batch
+            self._fail_or_isolate(jobs, EngineFailed(f"engine rejected the batch: {error}"))
+            return None
+        self._metrics.batch_rows.observe(rows)
+        self._metrics.batch_tokens.observe(tokens)
+        self._metrics.batch_requests.observe(len(jobs))
+        self._metrics.computed_rows.inc(rows)
+        self._metrics.computed_tokens.inc(tokens)
+        # The engine runs batches in order: a prefetched batch starts when the previous ends.
+        return _Flight(
+            jobs=jobs,
+            rows=rows,
+            tokens=tokens,
+            submitted=submitted,
+            task=task,
+            started=submitted if previous is None else None,
+        )
+
+    def _finish(self, flight: _Flight, next_flight: _Flight | None) -> None:
+        ended = time.monotonic()
+        if next_flight is not None and next_flight.started is None:
+            next_flight.started = max(next_flight.submitted, ended)
+        started = flight.started if flight.started is not None else flight.submitted
+        self._metrics.inference_seconds.observe(ended - started)
+        error = flight.task.exception() if not flight.task.cancelled() else None
+        if flight.task.cancelled() or error is not None:
+            failure = EngineFailed(f"engine failed on a batch of {flight.rows} inputs: {error}")
+            self._fail_or_isolate(flight.jobs, failure)
+            return
+        output = flight.task.result()
+        if output.shape[0] != flight.rows:
+            failure = EngineFailed(f"engine returned {output.shape[0]} rows for {flight.rows}")
+            for job in flight.jobs:
+                if not job.future.done():
+                    job.future.set_exception(failure)
+            return
+        inference_us = int((ended - started) * 1e6)
+        offset = 0
+        for job in flight.jobs:
+            rows = job.work.rows
+            queue_s = started - job.admitted
+            self._metrics.queue_seconds.observe(queue_s)
+            if not job.future.done():  # a client that left after submission gets nothing
+                job.future.set_result(
+                    Result(
+                        rows=output[offset : offset + rows],
+                        queue_us=int(queue_s * 1e6),
+                        inference_us=inference_us,
+                    )
+                )
+            offset += rows
+
+    def _fail_or_isolate(self, jobs: list[_Job], failure: EngineFailed) -> None:
+        """A failed batch of one request fails it; a shared one is retried request by
+        request, so one request the engine cannot run does not fail its neighbours."""
+        live = [job for job in jobs if not job.future.done()]
+        if len(jobs) == 1 or not live:
+            for job in live:
+                job.future.set_exception(failure)
+            return
+        log.warning("tulip: %s; retrying its %d requests one by one", failure, len(live))
+        for job in reversed(live):
+            job.alone = True
+            job.queued = True
+            self._queue.appendleft(job)
+            self._queued_tokens += job.work.tokens
+            self._queued_requests += 1
+        self._metrics.isolated.inc(len(live))
+        self._publish_queue()
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def _on_done(self, job: _Job, _future: asyncio.Future[Result]) -> None:
+        if job.queued and job.future.cancelled():
+            self._dequeue(job)
+            self._metrics.dropped.labels(reason="cancelled").inc()
+            self._publish_queue()
+
+    def _dequeue(self, job: _Job) -> None:
+        if job.queued:
+            job.queued = False
+            self._queued_tokens -= job.work.tokens
+            self._queued_requests -= 1
+
+    def _fail_queued(self, error: Exception) -> None:
+        while self._queue:
+            job = self._queue.popleft()
+            if job.queued:
+                self._dequeue(job)
+                if not job.future.done():
+                    job.future.set_exception(error)
+        self._publish_queue()
+
+    def _publish_queue(self) -> None:
+        self._metrics.queue_depth.set(self._queued_requests)
+        self._metrics.queued_tokens.set(self._queued_tokens)
+
+
+def _assemble(jobs: list[_Job]) -> BatchInputs:
+    works = [job.work for job in jobs]
+    if len(works) == 1:
+        only = works[0]
+        ids, lengths = only.ids, only.lengths
+    else:
+        ids = np.concatenate([w.ids for w in works])
+        lengths = np.concatenate([w.lengths for w in works])
+    first = None
+    if any(w.first_segment_lengths is not None for w in works):
+        first = np.concatenate(
+            [
+                w.first_segment_lengths
+                if w.first_segment_lengths is not None
+                else np.asarray(w.lengths, dtype=np.uint32)
+                for w in works
+            ]
+        )
+    pooling: list[str | None] | None = None
+    normalize: list[bool | None] | None = None
+    if any(w.pooling is not None or w.normalize is not None for w in works):
+        pooling = [w.pooling for w in works for _ in range(w.rows)]
+        normalize = [w.normalize for w in works for _ in range(w.rows)]
+    return BatchInputs(
+        ids=ids, lengths=lengths, first_segment_lengths=first, pooling=pooling, normalize=normalize
+    )

@@ -1,0 +1,116 @@
+"""One Tulip process: gRPC + health + metrics around one engine, with a graceful drain.
+
+Life of the process:
+
+1. metrics endpoint and gRPC server start; health says NOT_SERVING;
+2. the model loads (in a thread) and runs a warm-up batch; health says SERVING;
+3. on SIGTERM/SIGINT health says NOT_SERVING, new work is refused (UNAVAILABLE), queued
+   and in-flight work completes within ``drain_seconds``; the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from protos.trellis.v1 import inference_pb2 as pb
+from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
+from tulip.backend import RoseBackend
+from tulip.config import TulipConfig
+from tulip.metrics import Metrics
+from tulip.scheduler import BatchLimits, Scheduler
+from tulip.service import InferenceService
+
+__all__ = ["SERVICE_NAME", "serve"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+_FLUSH_SECONDS = 2.0
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+log = logging.getLogger("tulip")
+
+
+async def serve(
+    config: TulipConfig, load: Callable[[TulipConfig], RoseBackend] = RoseBackend.load
+) -> int:
+    """Serve until SIGTERM/SIGINT, then drain; returns the process exit code."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    metrics = Metrics()
+    endpoint = metrics.serve(config.host, config.metrics_port) if config.metrics_port else None
+    health = health_aio.HealthServicer()
+    await _set_health(health, _NOT_SERVING)
+    service = InferenceService(metrics)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+        ]
+    )
+    pb_grpc.add_InferenceServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    log.info("tulip: gRPC on %s:%d, loading %s", config.host, port, config.model)
+
+    backend: RoseBackend | None = None
+    try:
+        loading = asyncio.ensure_future(asyncio.to_thread(load, config))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():
+            log.info("tulip: stopped while loading")
+            return 0
+        stopping.cancel()
+        backend = loading.result()
+        started = time.monotonic()
+        await backend.warm_up()
+        log.info("tulip: warmed up in %.2fs", time.monotonic() - started)
+        scheduler = Scheduler(
+            backend,
+            BatchLimits(
+                max_batch_tokens=config.max_batch_tokens,
+                max_batch_rows=config.max_batch_rows,
+                max_queued_tokens=config.max_queued_tokens,
+            ),
+            metrics,
+        )
+        scheduler.start()
+        service.attach(backend, scheduler)
+        await _set_health(health, _SERVING)
+        log.info("tulip: SERVING %s on port %d", backend.served.name, port)
+
+        await stop.wait()
+        deadline = time.monotonic() + config.drain_seconds
+        log.info("tulip: draining (up to %.1fs)", config.drain_seconds)
+        scheduler.close()  # refuse new work before anyone can observe NOT_SERVING
+        await _set_health(health, _NOT_SERVING)
+        drained = await scheduler.drain(max(0.0, deadline - time.monotonic()))
+        log.info("tulip: %s", "drained" if drained else "drain timed out")
+        # Every admitted request is answered; give the handlers a moment to send their
+        # responses, then close the remaining streams (health watchers never end on their own).
+        await server.stop(grace=min(_FLUSH_SECONDS, max(0.1, deadline - time.monotonic())))
+        return 0
+    finally:
+        await server.stop(grace=None)
+        if backend is not None:
+            backend.close()
+        if endpoint is not None:
+            endpoint.close()
+
+
+async def _set_health(health: health_aio.HealthServicer, status: int) -> None:
+    await health.set("", status)
+    await health.set(SERVICE_NAME, status)
