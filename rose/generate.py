@@ -1,0 +1,397 @@
+"""Generation engine: continuous batching of decoder requests on a paged KV cache, with
+optional speculative decoding (n-gram prompt lookup or a drafter model).
+
+One `GenerationEngine.step()` runs one target forward pass over every running sequence:
+new sequences contribute their whole prompt (prefill), others their pending token plus any
+drafts (decode / verification). Sequences join between steps when pages allow and leave
+when finished, returning their pages.
+
+Example::
+
+    engine = GenerationEngine(model, GenerationConfig(), eos_ids=model.config.eos_token_ids)
+    [result] = engine.generate([prompt_ids], SamplingParams(max_tokens=32))
+    result.output_ids, result.finish_reason, engine.stats.mean_accepted_length
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rose.kv.allocator import KVCacheConfig, OutOfPages, PageAllocator
+from rose.kv.block_table import BlockTable
+from rose.kv.metadata import AttentionMetadata
+from rose.models.llama import LlamaForCausalLM
+from rose.sampling import FinishReason, SamplingParams, StopChecker, sample, token_probs
+from rose.spec.acceptance import accept_drafts
+from rose.spec.config import SpecConfig
+from rose.spec.draft_model import DraftRequest, ModelDrafter
+from rose.spec.mtp import MTPDrafter, MTPDraftRequest, MTPHead
+from rose.spec.ngram import NgramDrafter
+from rose.spec.stats import SpecStats
+
+__all__ = [
+    "CapacityError",
+    "GenerationConfig",
+    "GenerationEngine",
+    "GenerationResult",
+    "StepOutput",
+]
+
+
+class CapacityError(OutOfPages):
+    """A request can never fit the page pool (answer it as RESOURCE_EXHAUSTED / 429)."""
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """kv: page pool shared by target and drafter. max_batch: most running sequences.
+    spec: speculation method and draft length."""
+
+    kv: KVCacheConfig = KVCacheConfig()
+    max_batch: int = 32
+    spec: SpecConfig = SpecConfig()
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"generation.max_batch must be >= 1, got {self.max_batch}")
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Tokens a sequence emitted in one step; finish_reason set on its last step."""
+
+    seq_id: int
+    new_ids: list[int]
+    finish_reason: FinishReason | None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    seq_id: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: FinishReason
+    text: str | None  # decoded output (cut before a stop string) when a detokenizer is set
+
+
+@dataclass
+class _Seq:
+    seq_id: int
+    prompt_len: int
+    tokens: list[int]  # prompt + generated; the target cache holds tokens[: table.length]
+    params: SamplingParams
+    generator: torch.Generator | None
+    stopper: StopChecker
+    table: BlockTable
+    draft_table: BlockTable | None
+    finish_reason: FinishReason | None = None
+    new_ids: list[int] = field(default_factory=list)
+    # MTP: target features not yet fed to the head (pairs draft_table.length ..)
+    features: torch.Tensor | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    def release(self) -> None:
+        self.table.release()
+        self.features = None
+        if self.draft_table is not None:
+            self.draft_table.release()
+
+
+class GenerationEngine:
+    """Owns the page pool, the target (and drafter) caches and the request queue.
+
+    Not thread-safe: one owner calls `add`, `step` and `abort`.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: GenerationConfig = GenerationConfig(),
+        *,
+        drafter: LlamaForCausalLM | None = None,
+        mtp_head: MTPHead | None = None,
+        eos_ids: Sequence[int] = (),
+        detokenize: Callable[[list[int]], str] | None = None,
+    ) -> None:
+        if config.spec.method == "draft" and drafter is None:
+            raise ValueError("spec.method='draft' needs a drafter model")
+        if config.spec.method == "mtp" and mtp_head is None:
+            raise ValueError("spec.method='mtp' needs an mtp_head")
+        self.model = model
+        self.config = config
+        self.eos_ids = tuple(eos_ids)
+        self.detokenize = detokenize
+        self.page_size = config.kv.page_size
+        self.allocator = PageAllocator(config.kv.num_pages)
+        self.cache = model.new_cache(config.kv.num_pages, config.kv.page_size)
+        self.device = self.cache.k.device
+        self.vocab_size = model.config.vocab_size
+        self.drafter: ModelDrafter | None = None
+        self.ngram: NgramDrafter | None = None
+        self.mtp: MTPDrafter | None = None
+        if config.spec.method == "mtp" and mtp_head is not None:
+            self.mtp = MTPDrafter(mtp_head, model, self.allocator, self.page_size)
+        elif config.spec.method == "draft" and drafter is not None:
+            self.drafter = ModelDrafter(drafter, self.allocator, self.page_size, self.vocab_size)
+        elif config.spec.method == "ngram":
+            self.ngram = NgramDrafter(config.spec.ngram_max, config.spec.ngram_min)
+        self.stats = SpecStats()
+        self._ids = itertools.count()
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+
+    # ------------------------------------------------------------------ requests
+    def add(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        """Queue a request; returns its id. Raises `CapacityError` when it could never fit."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        worst = len(prompt_ids) + params.max_tokens + self.config.spec.num_draft_tokens
+        copies = 2 if self.drafter is not None or self.mtp is not None else 1
+        need = copies * -(-worst // self.page_size)
+        if need > self.allocator.num_pages:
+            raise CapacityError(need, self.allocator.num_free, self.allocator.num_pages)
+        seq = _Seq(
+            seq_id=next(self._ids),
+            prompt_len=len(prompt_ids),
+            tokens=list(prompt_ids),
+            params=params,
+            generator=None if params.greedy else params.generator(self.device),
+            stopper=StopChecker(params, self.eos_ids, self.detokenize),
+            table=BlockTable(self.allocator, self.page_size),
+            draft_table=(
+                self.drafter.new_table()
+                if self.drafter is not None
+                else self.mtp.new_table()
+                if self.mtp is not None
+                else None
+            ),
+        )
+        self._waiting.append(seq)
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> bool:
+        """Drop a request (client went away); its pages return to the pool."""
+        for q in (self._waiting, self._running):
+            for s in q:
+                if s.seq_id == seq_id:
+                    q.remove(s)
+                    s.release()
+                    return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ---------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        """Admit waiting requests, run one target pass (with speculation), emit tokens."""
+        self._admit()
+        if not self._running:
+            if self._waiting:
+                raise CapacityError(1, self.allocator.num_free, self.allocator.num_pages)
+            return []
+        k_max = self.config.spec.num_draft_tokens
+        drafts = self._draft(k_max)
+        for s in list(self._running):
+            if s not in self._running:
+                continue
+            need = len(s.tokens) + len(drafts.get(s.seq_id, ([], None))[0])
+            while True:
+                try:
+                    s.table.reserve(need)
+                    break
+                except OutOfPages:
+                    victim = self._running[-1]
+                    self._preempt(victim)
+                    if victim is s:
+                        break
+        batch = [s for s in self._running]
+        if not batch:
+            return []
+
+        t0 = time.perf_counter()
+        entries, ids, n_logits = [], [], []
+        for s in batch:
+            d = drafts.get(s.seq_id, ([], None))[0]
+            feed = s.tokens[s.table.length :] + d
+            entries.append((s.table, s.table.length, len(feed)))
+            ids.extend(feed)
+            n_logits.append(len(d) + 1)
+        meta = AttentionMetadata.build(entries, device=self.device)
+        # logits for each sequence's last len(drafts) + 1 tokens
+        idx = torch.cat(
+            [
+                torch.arange(int(meta.cu_seqlens[i + 1]) - n, int(meta.cu_seqlens[i + 1]))
+                for i, n in enumerate(n_logits)
+            ]
+        ).to(self.device)
+        fwd = self.model(
+            torch.tensor(ids, device=self.device),
+            meta,
+            self.cache,
+            idx,
+            return_all_hidden=self.mtp is not None,
+        )
+        logits = fwd.logits
+        verify_s = time.perf_counter() - t0
+
+        outputs: list[StepOutput] = []
+        off = 0
+        any_drafts = False
+        for i, (s, (_, cached, fed), n) in enumerate(zip(batch, entries, n_logits, strict=True)):
+            p = token_probs(logits[off : off + n], s.params)  # [n, V]
+            off += n
+            d, q = drafts.get(s.seq_id, ([], None))
+            if d:
+                any_drafts = True
+                assert q is not None
+                res = accept_drafts(
+                    torch.tensor([d], device=self.device), q[None], p[None], s.generator
+                )
+                n_acc = int(res.num_accepted[0])
+                new = d[:n_acc] + [int(res.next_token[0])]
+                self.stats.record(len(d), n_acc)
+            else:
+                n_acc = 0
+                new = [int(sample(p[-1:], s.params, s.generator)[0])]
+            # cache now validly holds everything fed except rejected drafts
+            valid = fed - len(d) + n_acc
+            s.table.length = cached + valid
+            s.table.truncate(s.table.length)
+            if self.drafter is not None and s.draft_table is not None:
+                # drafter cache: tokens so far + the drafts it fed (all but the last)
+                keep = len(s.tokens) + min(n_acc, max(len(d) - 1, 0))
+                ModelDrafter.rollback(s.draft_table, keep)
+            if self.mtp is not None and s.draft_table is not None and fwd.all_hidden is not None:
+                # head cache: only pairs built from target features stay (refilled below)
+                ModelDrafter.rollback(s.draft_table, len(s.tokens) - 1)
+                start = int(meta.cu_seqlens[i])
+                new_feats = fwd.all_hidden[start : start + valid]  # positions cached ..
+                s.features = new_feats if s.features is None else torch.cat([s.features, new_feats])
+            self._emit(s, new)
+            outputs.append(StepOutput(s.seq_id, s.new_ids, s.finish_reason))
+            s.new_ids = []
+        if any_drafts:
+            self.stats.verify_s += verify_s
+        for s in batch:
+            if s.finish_reason is not None:
+                self._running.remove(s)
+                s.release()
+        return outputs
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[GenerationResult]:
+        """Run prompts to completion (continuous batching) and return results in order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [self.add(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        seqs: dict[int, _Seq] = {}
+        for s in list(self._waiting):
+            if s.seq_id in ids:
+                seqs[s.seq_id] = s
+        while any(seqs[i].finish_reason is None for i in ids):
+            self.step()
+        out = []
+        for i in ids:
+            s = seqs[i]
+            text = s.stopper.text
+            if text is None and self.detokenize is not None:
+                text = self.detokenize(s.output_ids)
+            assert s.finish_reason is not None
+            out.append(
+                GenerationResult(i, s.tokens[: s.prompt_len], s.output_ids, s.finish_reason, text)
+            )
+        return out
+
+    # ------------------------------------------------------------------ internals
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.config.max_batch:
+            s = self._waiting[0]
+            need = s.table.pages_needed(len(s.tokens) + self.config.spec.num_draft_tokens)
+            if self._running and not self.allocator.can_allocate(need):
+                return  # backpressure: wait until running sequences free pages
+            try:
+                s.table.reserve(len(s.tokens))
+            except OutOfPages:
+                return
+            self._running.append(self._waiting.popleft())
+
+    def _preempt(self, s: _Seq) -> None:
+        """Out of pages mid-run: free ``s`` and requeue it at the front; it recomputes its
+        cache (prompt + tokens so far) when readmitted."""
+        self._running.remove(s)
+        s.release()
+        self._waiting.appendleft(s)
+
+    def _draft(self, k_max: int) -> dict[int, tuple[list[int], torch.Tensor | None]]:
+        """Drafts for sequences past prefill, at most ``max_tokens - generated - 1`` each."""
+        if self.ngram is None and self.drafter is None and self.mtp is None:
+            return {}
+        t0 = time.perf_counter()
+        todo: list[tuple[_Seq, int]] = []
+        for s in self._running:
+            if s.table.length != len(s.tokens) - 1:
+                continue  # prefill step: the next token is not known yet
+            k = min(k_max, s.params.max_tokens - len(s.output_ids) - 1)
+            if k > 0:
+                todo.append((s, k))
+        out: dict[int, tuple[list[int], torch.Tensor | None]] = {}
+        if self.ngram is not None:
+            for s, k in todo:
+                d = self.ngram.propose(s.tokens, k)
+                if d:
+                    q = torch.zeros(len(d), self.vocab_size, device=self.device)
+                    q[torch.arange(len(d)), torch.tensor(d)] = 1.0  # deterministic proposal
+                    out[s.seq_id] = (d, q)
+        elif self.drafter is not None and todo:
+            reqs = []
+            for s, k in todo:
+                assert s.draft_table is not None
+                reqs.append(DraftRequest(s.draft_table, s.tokens, k, s.params, s.generator))
+            for (s, _), (d, q) in zip(todo, self.drafter.propose(reqs), strict=True):
+                if d:
+                    out[s.seq_id] = (d, q)
+        elif self.mtp is not None and todo:
+            mreqs, owners = [], []
+            for s, k in todo:
+                if s.draft_table is None or s.features is None:
+                    continue
+                mreqs.append(
+                    MTPDraftRequest(s.draft_table, s.features, s.tokens, k, s.params, s.generator)
+                )
+                owners.append((s, s.draft_table.length))
+            for (s, before), r, (d, q) in zip(owners, mreqs, self.mtp.propose(mreqs), strict=True):
+                if r.table.length > before:
+                    s.features = None  # consumed into the head's cache
+                if d:
+                    out[s.seq_id] = (d, q)
+        self.stats.draft_s += time.perf_counter() - t0
+        return out
+
+    def _emit(self, s: _Seq, new: list[int]) -> None:
+        """Append tokens one at a time, stopping at EOS / stop string / max_tokens: nothing
+        after the finishing token of an accepted chain is emitted."""
+        for tok in new:
+            if s.stopper.is_stop_token(tok):
+                s.finish_reason = "stop"
+                return
+            s.tokens.append(tok)
+            s.new_ids.append(tok)
+            reason = s.stopper.check(s.output_ids)
+            if reason is not None:
+                s.finish_reason = reason
+                return

@@ -1,0 +1,63 @@
+"""Per-sequence block table: which pages hold a sequence's tokens in one cache."""
+
+from __future__ import annotations
+
+import torch
+
+from rose.kv.allocator import PageAllocator
+
+__all__ = ["BlockTable"]
+
+
+class BlockTable:
+    """The pages of one sequence in one cache.
+
+    pages: page ids in token order; token ``i`` lives in ``pages[i // page_size]`` at
+        offset ``i % page_size``, i.e. flat slot ``pages[i // ps] * ps + i % ps``.
+    length: tokens whose K/V are written (valid prefix); ``len(pages) * page_size >= length``.
+    """
+
+    def __init__(self, allocator: PageAllocator, page_size: int) -> None:
+        self.allocator = allocator
+        self.page_size = page_size
+        self.pages: list[int] = []
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.pages) * self.page_size
+
+    def pages_needed(self, num_tokens: int) -> int:
+        """Extra pages required to hold ``num_tokens`` tokens in total."""
+        want = -(-num_tokens // self.page_size)
+        return max(0, want - len(self.pages))
+
+    def reserve(self, num_tokens: int) -> None:
+        """Make room for ``num_tokens`` tokens in total (raises `OutOfPages`, taking nothing)."""
+        need = self.pages_needed(num_tokens)
+        if need:
+            self.pages.extend(self.allocator.allocate(need))
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens; pages past them go back to the pool."""
+        if num_tokens > self.length:
+            raise ValueError(f"cannot truncate to {num_tokens} > length {self.length}")
+        self.length = num_tokens
+        keep = -(-num_tokens // self.page_size)
+        if keep < len(self.pages):
+            self.allocator.free(self.pages[keep:])
+            del self.pages[keep:]
+
+    def release(self) -> None:
+        """Free every page (sequence finished)."""
+        self.allocator.free(self.pages)
+        self.pages = []
+        self.length = 0
+
+    def slots(self, start: int, end: int) -> torch.Tensor:
+        """Flat cache slots of tokens ``[start, end)`` as int64 ``[end - start]``."""
+        if end > self.capacity:
+            raise ValueError(f"tokens up to {end} exceed reserved capacity {self.capacity}")
+        pos = torch.arange(start, end, dtype=torch.int64)
+        pages = torch.tensor(self.pages, dtype=torch.int64)
+        return pages[pos // self.page_size] * self.page_size + pos % self.page_size

@@ -1,0 +1,41 @@
+"""K/V page storage for one model; page ids come from the shared allocator."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PagedKVCache"]
+
+
+class PagedKVCache:
+    """K and V storage of one model.
+
+    k, v: ``[layers, num_pages * page_size, kv_heads, head_dim]``; slot
+    ``page * page_size + offset`` holds one token. Page ids are shared with every other
+    cache built on the same allocator, so each model's storage covers the whole pool.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+        self.num_pages = num_pages
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V: slots ``[T]``, k/v ``[T, kv_heads, head_dim]``."""
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V at ``slots`` (any shape ``S``) → ``[*S, kv_heads, head_dim]`` each."""
+        return self.k[layer][slots], self.v[layer][slots]

@@ -1,0 +1,94 @@
+"""Attention metadata for one ragged forward pass over paged caches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from rose.kv.block_table import BlockTable
+
+__all__ = ["AttentionMetadata"]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything the attention layers need for one step, built once and shared by layers.
+
+    The batch is ragged: sequence ``b`` contributes ``q_lens[b]`` new tokens (concatenated
+    into ``[T]``) on top of ``cached[b]`` tokens already in its cache. Attention runs on a
+    padded view: queries ``[B, Lq]``, keys ``[B, Lk]``.
+
+    positions: ``[T]`` absolute position of each new token.
+    slot_mapping: ``[T]`` flat cache slot each new token's K/V is written to.
+    q_index: ``[B, Lq]`` index into ``[T]`` per padded query (padding points at token 0).
+    out_index: ``[T]`` index into the flattened ``[B * Lq]`` padded output per new token.
+    kv_slots: ``[B, Lk]`` cache slot per padded key (padding points at slot 0, masked).
+    mask: ``[B, 1, Lq, Lk]`` bool, True where query may attend key; None when every query
+        sees every key (single-token decode of equal lengths).
+    last_index: ``[B]`` index into ``[T]`` of each sequence's last new token.
+    cu_seqlens: ``[B + 1]`` offsets of each sequence's new tokens in ``[T]``.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_index: torch.Tensor
+    out_index: torch.Tensor
+    kv_slots: torch.Tensor
+    mask: torch.Tensor | None
+    last_index: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @staticmethod
+    def build(
+        entries: Sequence[tuple[BlockTable, int, int]], device: torch.device | str = "cpu"
+    ) -> AttentionMetadata:
+        """entries: ``(table, num_cached, num_new)`` per sequence; each table must already
+        have room (`BlockTable.reserve`) for ``num_cached + num_new`` tokens."""
+        if not entries:
+            raise ValueError("attention metadata needs at least one sequence")
+        q_lens = [n for _, _, n in entries]
+        if min(q_lens) < 1:
+            raise ValueError("every sequence needs at least one new token")
+        cached = [c for _, c, _ in entries]
+        kv_lens = [c + n for c, n in zip(cached, q_lens, strict=True)]
+        b, lq, lk = len(entries), max(q_lens), max(kv_lens)
+
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, q_lens, strict=True)])
+        slot_mapping = torch.cat([t.slots(c, c + n) for t, c, n in entries])
+        kv_slots = torch.zeros(b, lk, dtype=torch.int64)
+        for i, (t, _, _) in enumerate(entries):
+            kv_slots[i, : kv_lens[i]] = t.slots(0, kv_lens[i])
+
+        q_len_t = torch.tensor(q_lens)
+        cu = torch.zeros(b + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(q_len_t, 0)
+        ar_q = torch.arange(lq)
+        valid_q = ar_q[None, :] < q_len_t[:, None]  # [B, Lq]
+        q_index = torch.where(valid_q, cu[:-1, None] + ar_q[None, :], 0)  # [B, Lq]
+        out_index = (torch.arange(b)[:, None] * lq + ar_q[None, :])[valid_q]  # [T]
+
+        if lq == 1 and min(kv_lens) == lk:
+            mask = None
+        else:
+            # Query i of sequence b sits at absolute position cached[b] + i and sees keys
+            # j <= that position. Padded queries also see key 0, so no row is empty (no NaN).
+            qpos = torch.tensor(cached)[:, None] + ar_q[None, :]  # [B, Lq]
+            mask = torch.arange(lk)[None, None, :] <= qpos[:, :, None]  # [B, Lq, Lk]
+            mask = mask[:, None]  # [B, 1, Lq, Lk]
+
+        return AttentionMetadata(
+            positions=positions.to(device),
+            slot_mapping=slot_mapping.to(device),
+            q_index=q_index.to(device),
+            out_index=out_index.to(device),
+            kv_slots=kv_slots.to(device),
+            mask=None if mask is None else mask.to(device),
+            last_index=(cu[1:] - 1).to(device),
+            cu_seqlens=cu.to(device),
+        )

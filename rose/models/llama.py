@@ -1,0 +1,432 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2-style q/k/v bias) on a paged KV cache.
+
+Plain PyTorch in the gpt-fast manner: a frozen config built from config.json, small
+modules, shape comments, and weights loaded through an explicit name map whose key set
+and shapes are asserted. Every forward pass is ragged: new tokens of all sequences are
+concatenated into ``[T]`` and attend to their own paged cache (`rose.kv`), so prefill,
+decode, speculative verification and mixed batches are one code path.
+
+Example::
+
+    model = LlamaForCausalLM.from_pretrained(path)
+    cache = model.new_cache(num_pages=64, page_size=16)
+    table = BlockTable(PageAllocator(64), 16); table.reserve(len(ids))
+    meta = AttentionMetadata.build([(table, 0, len(ids))])
+    out = model(torch.tensor(ids), meta, cache, logits_index=meta.last_index)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from rose.kv.cache import PagedKVCache
+from rose.kv.metadata import AttentionMetadata
+
+__all__ = [
+    "DecoderOutput",
+    "LlamaConfig",
+    "LlamaForCausalLM",
+    "RopeScaling",
+    "load_state_dict",
+    "rope_cos_sin",
+    "rope_inv_freq",
+    "weight_name_map",
+]
+
+_SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling: ``kind`` is "default", "linear" or "llama3"."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Decoder hyper-parameters read from a Hugging Face config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: True; Llama: config.attention_bias
+    o_bias: bool = False  # Llama: config.attention_bias; Qwen2: False
+    mlp_bias: bool = False
+    max_position_embeddings: int = 2048
+    model_type: str = "llama"
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
+            if getattr(self, key) < 1:
+                raise ValueError(f"config.{key} must be >= 1, got {getattr(self, key)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                "config.num_attention_heads must be a multiple of config.num_key_value_heads "
+                f"({self.num_attention_heads} vs {self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"config.head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rope_scaling.kind not in ("default", "linear", "llama3"):
+            raise ValueError(
+                f"config.rope_scaling.rope_type {self.rope_scaling.kind!r} unsupported"
+            )
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> LlamaConfig:
+        model_type = d.get("model_type", "llama")
+        if model_type not in _SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"config.model_type {model_type!r} not in {_SUPPORTED_MODEL_TYPES}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"config.hidden_act {act!r} unsupported (only 'silu')")
+        if d.get("use_sliding_window"):
+            raise ValueError("config.use_sliding_window=true is unsupported")
+        heads = int(d["num_attention_heads"])
+        # transformers >= 5 nests rope settings in rope_parameters; older files keep
+        # rope_theta at top level and scaling in rope_scaling.
+        rope = dict(d.get("rope_parameters") or {})
+        rope.update(d.get("rope_scaling") or {})
+        theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
+        kind = str(rope.get("rope_type", rope.get("type", "default")))
+        scaling = RopeScaling(
+            kind=kind,
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                rope.get("original_max_position_embeddings", 8192)
+            ),
+        )
+        eos = d.get("eos_token_id")
+        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
+        attention_bias = bool(d.get("attention_bias", False))
+        is_qwen2 = model_type == "qwen2"
+        return LlamaConfig(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=True if is_qwen2 else attention_bias,
+            o_bias=False if is_qwen2 else attention_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            model_type=model_type,
+            eos_token_ids=eos_ids,
+            bos_token_id=d.get("bos_token_id"),
+        )
+
+    @staticmethod
+    def from_file(path: str | Path) -> LlamaConfig:
+        return LlamaConfig.from_dict(json.loads(Path(path).read_text()))
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Per-pair rotation frequencies ``[head_dim // 2]`` (fp32), with scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    s = cfg.rope_scaling
+    if s.kind == "linear":
+        inv = inv / s.factor
+    elif s.kind == "llama3":
+        # Long wavelengths (beyond the original context / low_freq_factor) are slowed by
+        # `factor`; short ones (below context / high_freq_factor) kept; in between, a
+        # linear blend in 1/wavelength.
+        wavelen = 2 * math.pi / inv
+        ctx = s.original_max_position_embeddings
+        slow = inv / s.factor
+        blend = (ctx / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+        mixed = (1 - blend) * slow + blend * inv
+        inv = torch.where(wavelen > ctx / s.low_freq_factor, slow, inv)
+        medium = (wavelen >= ctx / s.high_freq_factor) & (wavelen <= ctx / s.low_freq_factor)
+        inv = torch.where(medium, mixed, inv)
+    return inv
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[T, 1, D]`` for positions ``[T]``."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate halves: x ``[T, heads, D]``, cos/sin ``[T, 1, D]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.wq = nn.Linear(h, self.n_heads * d, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(self.n_heads * d, h, bias=cfg.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.wq(x).view(t, self.n_heads, self.head_dim)  # [T, Hq, D]
+        k = self.wk(x).view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
+        v = self.wv(x).view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.write(self.layer, meta.slot_mapping, k, v)
+
+        keys, values = cache.gather(self.layer, meta.kv_slots)  # [B, Lk, Hkv, D]
+        queries = q[meta.q_index]  # [B, Lq, Hq, D]
+        b, lq = meta.q_index.shape
+        out = F.scaled_dot_product_attention(
+            queries.transpose(1, 2),  # [B, Hq, Lq, D]
+            keys.transpose(1, 2),  # [B, Hkv, Lk, D]
+            values.transpose(1, 2),  # [B, Hkv, Lk, D]
+            attn_mask=meta.mask,  # [B, 1, Lq, Lk] or None
+            enable_gqa=self.n_heads != self.n_kv,
+        )  # [B, Hq, Lq, D]
+        out = out.transpose(1, 2).reshape(b * lq, self.n_heads * self.head_dim)  # [B*Lq, Hq*D]
+        return self.wo(out[meta.out_index])  # [T, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.w_gate = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.w_up = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.w_down = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attention = Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, meta, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass(frozen=True)
+class DecoderOutput:
+    """logits ``[N, V]`` and final-norm hidden states ``[N, H]`` at the selected tokens;
+    all_hidden ``[T, H]``: final-norm hidden states of every new token when requested."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    all_hidden: torch.Tensor | None = None
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.output = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self._inv_freq: torch.Tensor | None = None
+
+    def new_cache(
+        self, num_pages: int, page_size: int, device: torch.device | str | None = None
+    ) -> PagedKVCache:
+        w = self.tok_embeddings.weight
+        c = self.config
+        return PagedKVCache(
+            c.num_hidden_layers,
+            c.num_key_value_heads,
+            c.head_dim,
+            num_pages,
+            page_size,
+            dtype=w.dtype,
+            device=w.device if device is None else device,
+        )
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._inv_freq is None or self._inv_freq.device != positions.device:
+            self._inv_freq = rope_inv_freq(self.config).to(positions.device)
+        return rope_cos_sin(self._inv_freq, positions, self.tok_embeddings.weight.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        cache: PagedKVCache,
+        logits_index: torch.Tensor | None = None,
+        return_all_hidden: bool = False,
+    ) -> DecoderOutput:
+        """input_ids ``[T]`` (all sequences' new tokens, concatenated) → logits at
+        ``logits_index`` (``[N]`` indices into ``[T]``; all tokens when None)."""
+        cos, sin = self._rope(meta.positions)
+        x = self.tok_embeddings(input_ids)  # [T, H]
+        for block in self.layers:
+            x = block(x, cos, sin, meta, cache)
+        if return_all_hidden:
+            all_hidden = self.norm(x)  # [T, H]
+            hidden = all_hidden if logits_index is None else all_hidden[logits_index]
+            return DecoderOutput(self.output(hidden), hidden, all_hidden)
+        if logits_index is not None:
+            x = x[logits_index]  # [N, H]
+        hidden = self.norm(x)
+        return DecoderOutput(logits=self.output(hidden), hidden=hidden)
+
+    @staticmethod
+    def from_pretrained(
+        path: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> LlamaForCausalLM:
+        """Load a Hugging Face Llama/Qwen2 directory (config.json + *.safetensors)."""
+        path = Path(path)
+        cfg = LlamaConfig.from_file(path / "config.json")
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+        state = load_state_dict(path, cfg, model, dtype=dtype, device=device)
+        model.load_state_dict(state, assign=True, strict=True)
+        if cfg.tie_word_embeddings:
+            model.output.weight = model.tok_embeddings.weight
+        return model.eval()
+
+
+def weight_name_map(cfg: LlamaConfig) -> dict[str, str]:
+    """Checkpoint key (Hugging Face layout) → this module's parameter name."""
+    m = {
+        "model.embed_tokens.weight": "tok_embeddings.weight",
+        "model.norm.weight": "norm.weight",
+    }
+    if not cfg.tie_word_embeddings:
+        m["lm_head.weight"] = "output.weight"
+    for i in range(cfg.num_hidden_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        m[src + "input_layernorm.weight"] = dst + "attention_norm.weight"
+        m[src + "post_attention_layernorm.weight"] = dst + "mlp_norm.weight"
+        for hf, ours in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv"), ("o_proj", "wo")):
+            m[f"{src}self_attn.{hf}.weight"] = f"{dst}attention.{ours}.weight"
+        if cfg.qkv_bias:
+            for hf, ours in (("q_proj", "wq"), ("k_proj", "wk"), ("v_proj", "wv")):
+                m[f"{src}self_attn.{hf}.bias"] = f"{dst}attention.{ours}.bias"
+        if cfg.o_bias:
+            m[f"{src}self_attn.o_proj.bias"] = f"{dst}attention.wo.bias"
+        for hf, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
+            m[f"{src}mlp.{hf}.weight"] = f"{dst}mlp.{ours}.weight"
+            if cfg.mlp_bias:
+                m[f"{src}mlp.{hf}.bias"] = f"{dst}mlp.{ours}.bias"
+    return m
+
+
+def load_state_dict(
+    path: Path,
+    cfg: LlamaConfig,
+    model: nn.Module,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Read every ``*.safetensors`` under ``path`` and rename through `weight_name_map`,
+    asserting the exact key set and every shape against ``model``'s parameters."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    raw: dict[str, torch.Tensor] = {}
+    for f in files:
+        raw.update(load_file(str(f)))
+    names = weight_name_map(cfg)
+    if cfg.tie_word_embeddings:
+        raw.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+    missing = sorted(set(names) - set(raw))
+    unexpected = sorted(set(raw) - set(names))
+    if missing or unexpected:
+        raise ValueError(
+            f"llama weights in {path}: missing {missing[:8]} ({len(missing)}), "
+            f"unexpected {unexpected[:8]} ({len(unexpected)})"
+        )
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out: dict[str, torch.Tensor] = {}
+    for src, dst in names.items():
+        t = raw[src]
+        want = tuple(params[dst].shape)
+        if tuple(t.shape) != want:
+            raise ValueError(f"llama weight {src}: shape {tuple(t.shape)}, expected {want}")
+        out[dst] = t.to(dtype=dtype, device=device)
+    if cfg.tie_word_embeddings:
+        out["output.weight"] = out["tok_embeddings.weight"]
+    return out

@@ -1,0 +1,153 @@
+"""Token sampling: parameters, logits → filtered distribution, draws, and stop rules.
+
+Every sampling mode is expressed as a probability distribution (greedy = one-hot of the
+argmax), so speculative acceptance (`rose.spec.acceptance`) works on the same
+distributions the non-speculative path samples from.
+
+Example::
+
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=1, max_tokens=64)
+    gen = params.generator()
+    probs = token_probs(logits, params)          # [N, V]
+    ids = sample(probs, params, gen)             # [N]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "FinishReason",
+    "SamplingParams",
+    "StopChecker",
+    "sample",
+    "token_probs",
+]
+
+FinishReason = str  # "stop" (EOS / stop string / stop token) or "length" (max_tokens)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass (1.0 = off).
+    seed: seeds this request's own generator (None = nondeterministic).
+    max_tokens: most tokens generated. stop: strings that end generation (the text is cut
+    before them). stop_token_ids: extra ids that end generation like EOS. ignore_eos:
+    keep generating past the model's EOS ids.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"sampling.max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"sampling.temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("sampling.stop must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
+
+
+def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits ``[N, V]`` → the distribution ``[N, V]`` (fp32) this request samples from:
+    greedy → one-hot argmax; else softmax(logits / T) restricted to top-k ∩ top-p."""
+    logits = logits.float()
+    if params.greedy:
+        out = torch.zeros_like(logits)
+        return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass strictly before it already reaches top_p; the most
+        # likely token always stays.
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        drop_sorted = before >= params.top_p
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(
+    probs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Draw one token per row of ``probs [N, V]`` → ``[N]`` int64."""
+    if params.greedy:
+        return probs.argmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class StopChecker:
+    """Decides after each generated token whether a sequence is finished.
+
+    EOS / stop token ids finish with "stop" and are not emitted; a stop string finishes with
+    "stop" after the token that completes it, and `text` is cut before the stop string;
+    reaching ``max_tokens`` finishes with "length".
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        eos_ids: Sequence[int],
+        detokenize: Callable[[list[int]], str] | None,
+    ) -> None:
+        if params.stop and detokenize is None:
+            raise ValueError("sampling.stop needs a detokenizer")
+        self.params = params
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(eos_ids)
+        )
+        self.detokenize = detokenize
+        self.text: str | None = None  # set when a stop string ended the sequence
+        self._longest_stop = max((len(s) for s in params.stop), default=0)
+        self._searched = 0  # chars of the decoded text already searched for stop strings
+
+    def is_stop_token(self, token: int) -> bool:
+        return token in self.stop_ids
+
+    def check(self, output_ids: list[int]) -> FinishReason | None:
+        """Call after appending a (non-stop-id) token to ``output_ids``."""
+        if self.params.stop and self.detokenize is not None:
+            text = self.detokenize(output_ids)
+            start = max(0, self._searched - self._longest_stop + 1)
+            hits = [i for s in self.params.stop if (i := text.find(s, start)) >= 0]
+            if hits:
+                self.text = text[: min(hits)]
+                return "stop"
+            # a trailing partial character may still change; re-search the tail next time
+            self._searched = max(0, len(text) - 1)
+        if len(output_ids) >= self.params.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,34 @@
+"""Speculation settings for one deployment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SpecConfig"]
+
+_METHODS = ("none", "ngram", "draft", "mtp")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """method: "none", "ngram" (prompt lookup), "draft" (a drafter model) or "mtp" (a draft
+    head on the target's features, `rose.spec.mtp`).
+    num_draft_tokens: k, tokens proposed per step.
+    ngram_max / ngram_min: longest / shortest suffix n-gram looked up (prompt lookup).
+    """
+
+    method: str = "none"
+    num_draft_tokens: int = 4
+    ngram_max: int = 3
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in _METHODS:
+            raise ValueError(f"spec.method must be one of {_METHODS}, got {self.method!r}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"spec.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"spec.ngram_min/ngram_max must satisfy 1 <= min <= max, "
+                f"got {self.ngram_min}/{self.ngram_max}"
+            )

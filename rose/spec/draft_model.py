@@ -1,0 +1,120 @@
+"""Draft-target speculation: a small model sharing the target's tokenizer drafts a chain."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from rose.kv.allocator import OutOfPages, PageAllocator
+from rose.kv.block_table import BlockTable
+from rose.kv.metadata import AttentionMetadata
+from rose.models.llama import LlamaForCausalLM
+from rose.sampling import SamplingParams, sample, token_probs
+
+__all__ = ["DraftRequest", "ModelDrafter", "truncated_drafter"]
+
+
+@dataclass
+class DraftRequest:
+    """One sequence to draft for: its drafter block table, all tokens so far (the table
+    holds a prefix of them), how many tokens to draft, and how to sample them."""
+
+    table: BlockTable
+    tokens: list[int]
+    k: int
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+class ModelDrafter:
+    """Runs the drafter on its own paged cache whose pages come from the shared allocator.
+
+    Per step, each sequence first catches up on the tokens its drafter cache lacks (the
+    tokens accepted last step plus the target's own token: the "refill"), then drafts k
+    tokens one forward pass at a time, all sequences batched.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        allocator: PageAllocator,
+        page_size: int,
+        target_vocab_size: int,
+    ) -> None:
+        if model.config.vocab_size > target_vocab_size:
+            raise ValueError(
+                f"spec.draft: drafter vocab_size {model.config.vocab_size} exceeds the "
+                f"target's {target_vocab_size}; drafter and target must share a tokenizer"
+            )
+        self.model = model
+        self.allocator = allocator
+        self.page_size = page_size
+        self.vocab_size = target_vocab_size
+        self.cache = model.new_cache(allocator.num_pages, page_size)
+
+    def new_table(self) -> BlockTable:
+        return BlockTable(self.allocator, self.page_size)
+
+    @torch.no_grad()
+    def propose(self, requests: list[DraftRequest]) -> list[tuple[list[int], torch.Tensor]]:
+        """Drafts and their distributions ``q [k, V_target]`` per request (k may come back
+        smaller, down to 0, when the page pool cannot hold the drafter's tokens)."""
+        live: list[int] = []
+        for i, r in enumerate(requests):
+            try:
+                r.table.reserve(len(r.tokens) + r.k - 1)
+                live.append(i)
+            except OutOfPages:
+                pass
+        drafts: list[list[int]] = [[] for _ in requests]
+        dists: list[list[torch.Tensor]] = [[] for _ in requests]
+        feeds = {i: requests[i].tokens[requests[i].table.length :] for i in live}
+        for step in range(max((requests[i].k for i in live), default=0)):
+            live = [i for i in live if requests[i].k > step]
+            entries = [(requests[i].table, requests[i].table.length, len(feeds[i])) for i in live]
+            meta = AttentionMetadata.build(entries, device=self.cache.k.device)
+            ids = torch.tensor([t for i in live for t in feeds[i]], device=self.cache.k.device)
+            logits = self.model(ids, meta, self.cache, logits_index=meta.last_index).logits
+            for row, i in enumerate(live):
+                r = requests[i]
+                r.table.length += len(feeds[i])
+                q = token_probs(logits[row : row + 1], r.params)  # [1, V_draft]
+                if q.shape[-1] < self.vocab_size:
+                    q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[-1]))
+                tok = int(sample(q, r.params, r.generator)[0])
+                drafts[i].append(tok)
+                dists[i].append(q[0])
+                feeds[i] = [tok]
+        out: list[tuple[list[int], torch.Tensor]] = []
+        for i in range(len(requests)):
+            q = torch.stack(dists[i]) if dists[i] else torch.zeros(0, self.vocab_size)
+            out.append((drafts[i], q))
+        return out
+
+    @staticmethod
+    def rollback(table: BlockTable, valid_tokens: int) -> None:
+        """Drop cached drafts the target rejected: keep at most ``valid_tokens`` tokens."""
+        if table.length > valid_tokens:
+            table.truncate(valid_tokens)
+
+
+def truncated_drafter(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:
+    """A drafter made of the target's first ``num_layers`` blocks, final norm and head
+    (early exit). Tensors are shared with the target, not copied."""
+    cfg = target.config
+    if not 1 <= num_layers <= cfg.num_hidden_layers:
+        raise ValueError(
+            f"spec.draft_layers must be in [1, {cfg.num_hidden_layers}], got {num_layers}"
+        )
+    with torch.device("meta"):
+        drafter = LlamaForCausalLM(replace(cfg, num_hidden_layers=num_layers))
+    state = {
+        name: t
+        for name, t in target.state_dict().items()
+        if not name.startswith("layers.") or int(name.split(".")[1]) < num_layers
+    }
+    drafter.load_state_dict(state, assign=True, strict=True)
+    if cfg.tie_word_embeddings:
+        drafter.output.weight = drafter.tok_embeddings.weight
+    return drafter.eval()

@@ -1,0 +1,39 @@
+"""N-gram prompt lookup drafting: no model, copies continuations from the context."""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["NgramDrafter"]
+
+
+class NgramDrafter:
+    """Proposes the tokens that followed the most recent earlier occurrence of the
+    context's last n tokens (trying n = max_n down to min_n)."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"ngram: need 1 <= min_n <= max_n, got {min_n}/{max_n}")
+        self.max_n = max_n
+        self.min_n = min_n
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens continuing ``tokens`` (empty when nothing matches)."""
+        length = len(tokens)
+        if k < 1 or length < 2:
+            return []
+        arr = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            suffix = arr[length - n :]
+            # windows starting at 0 .. length-n-1 (the suffix itself excluded)
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
+            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # just after the most recent occurrence
+                # Copy forward; a match close to the end keeps copying from the draft
+                # itself (LZ77-style overlap), which continues periodic text.
+                out = list(tokens)
+                for i in range(k):
+                    out.append(out[start + i])
+                return out[length:]
+        return []

@@ -1,0 +1,188 @@
+"""rose.models.llama against transformers on small random Llama / Qwen2 configs (fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from rose.kv import AttentionMetadata, BlockTable, PageAllocator
+from rose.models.llama import LlamaConfig, LlamaForCausalLM
+
+TOL = 1e-4  # max abs logit difference, fp32 CPU
+PAGE = 4
+PAGES = 256
+
+
+def _tiny_kwargs(**over: object) -> dict[str, object]:
+    kw: dict[str, object] = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=5000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # large enough that logits are not all ~0
+    )
+    kw.update(over)
+    return kw
+
+
+def _save(model: torch.nn.Module, path: Path) -> Path:
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+CONFIGS = {
+    "llama-gqa": lambda: transformers.LlamaConfig(**_tiny_kwargs()),
+    "llama-tied-mha-bias": lambda: transformers.LlamaConfig(
+        **_tiny_kwargs(tie_word_embeddings=True, num_key_value_heads=4, attention_bias=True)
+    ),
+    "llama3-rope-scaling": lambda: transformers.LlamaConfig(
+        **_tiny_kwargs(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            head_dim=32,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ),
+    "qwen2-bias": lambda: transformers.Qwen2Config(**_tiny_kwargs(num_key_value_heads=1)),
+}
+
+
+def _pair(name: str, tmp_path: Path) -> tuple[torch.nn.Module, LlamaForCausalLM]:
+    torch.manual_seed(0)
+    cfg = CONFIGS[name]()
+    cls = (
+        transformers.Qwen2ForCausalLM
+        if isinstance(cfg, transformers.Qwen2Config)
+        else transformers.LlamaForCausalLM
+    )
+    ref = cls(cfg).eval()
+    if isinstance(cfg, transformers.Qwen2Config):
+        # random init leaves biases at zero; make them matter
+        with torch.no_grad():
+            for layer in ref.model.layers:
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
+                    proj.bias.normal_(0, 0.5)
+    ours = LlamaForCausalLM.from_pretrained(_save(ref, tmp_path / name))
+    return ref, ours
+
+
+def _run(
+    model: LlamaForCausalLM,
+    seqs: list[list[int]],
+    tables: list[BlockTable],
+    cache,
+    cached: list[int],
+) -> torch.Tensor:
+    entries = []
+    for t, ids, c in zip(tables, seqs, cached, strict=True):
+        t.reserve(c + len(ids))
+        entries.append((t, c, len(ids)))
+    meta = AttentionMetadata.build(entries)
+    ids = torch.tensor([i for s in seqs for i in s])
+    with torch.no_grad():
+        out = model(ids, meta, cache).logits
+    for t, ids_, c in zip(tables, seqs, cached, strict=True):
+        t.length = c + len(ids_)
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(name: str, tmp_path: Path) -> None:
+    ref, ours = _pair(name, tmp_path)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (40,), generator=g)
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    alloc = PageAllocator(PAGES)
+    cache = ours.new_cache(PAGES, PAGE)
+    got = _run(ours, [ids.tolist()], [BlockTable(alloc, PAGE)], cache, [0])
+    assert want.abs().max() > 0.5  # the comparison is not between near-zero tensors
+    torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+def test_batched_mixed_lengths_equal_single(name: str, tmp_path: Path) -> None:
+    _, ours = _pair(name, tmp_path)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (1, 13, 7, 30)]
+    alloc = PageAllocator(PAGES)
+    cache = ours.new_cache(PAGES, PAGE)
+    batched = _run(ours, seqs, [BlockTable(alloc, PAGE) for _ in seqs], cache, [0] * len(seqs))
+    singles = [
+        _run(ours, [s], [BlockTable(alloc, PAGE)], ours.new_cache(PAGES, PAGE), [0]) for s in seqs
+    ]
+    torch.testing.assert_close(batched, torch.cat(singles), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama3-rope-scaling"])
+def test_decode_steps_equal_full_forward(name: str, tmp_path: Path) -> None:
+    """Prefill part of each sequence, then feed the rest in chunks of 1..3 tokens with
+    several sequences in flight (continuous batching); logits equal transformers' full pass."""
+    ref, ours = _pair(name, tmp_path)
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (20, 9, 33)]
+    with torch.no_grad():
+        want = [ref(torch.tensor([s])).logits[0] for s in seqs]
+    alloc = PageAllocator(PAGES)
+    cache = ours.new_cache(PAGES, PAGE)
+    tables = [BlockTable(alloc, PAGE) for _ in seqs]
+    got: list[list[torch.Tensor]] = [[] for _ in seqs]
+    done = [0, 0, 0]
+    step = 0
+    while any(d < len(s) for d, s in zip(done, seqs, strict=True)):
+        live = [i for i, s in enumerate(seqs) if done[i] < len(s)]
+        chunks = []
+        for i in live:
+            n = 5 if done[i] == 0 else 1 + (step + i) % 3  # prefill, then 1..3 (verify-like)
+            chunks.append(seqs[i][done[i] : done[i] + n])
+        out = _run(ours, chunks, [tables[i] for i in live], cache, [done[i] for i in live])
+        off = 0
+        for i, c in zip(live, chunks, strict=True):
+            got[i].append(out[off : off + len(c)])
+            off += len(c)
+            done[i] += len(c)
+        step += 1
+    for g_, w in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.cat(g_), w, atol=TOL, rtol=0)
+
+
+def test_config_errors_name_the_key() -> None:
+    base = transformers.LlamaConfig(**_tiny_kwargs()).to_dict()
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        LlamaConfig.from_dict({**base, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="hidden_act"):
+        LlamaConfig.from_dict({**base, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="model_type"):
+        LlamaConfig.from_dict({**base, "model_type": "gpt2"})
+
+
+def test_weight_key_set_is_asserted(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    ref, _ = _pair("llama-gqa", tmp_path)
+    d = tmp_path / "llama-gqa"
+    sd = load_file(str(d / "model.safetensors"))
+    sd.pop("model.layers.1.mlp.up_proj.weight")
+    sd["model.layers.1.extra.weight"] = torch.zeros(1)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing \['model.layers.1.mlp.up_proj.weight'\]"):
+        LlamaForCausalLM.from_pretrained(d)
