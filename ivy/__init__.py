@@ -1,1 +1,1 @@
-"""ivy package."""
+"""Ivy: the HTTP gateway (OpenAI embeddings, Cohere/Jina rerank) in front of Tulip replicas."""

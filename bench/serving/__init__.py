@@ -1,0 +1,480 @@
+"""Serving benchmark: Ivy + 2 Tulip replicas vs in-process ROSE, in-process
+sentence-transformers (the floor without serving) and Infinity (`infinity-emb`, run from
+its own virtual environment so it never pins this project's dependencies).
+
+    python -m bench serving [--quick] [--infinity-venv DIR] [--skip-infinity]
+
+Tables (CPU, multilingual-e5-small, one run): (1) latency at batch 1 x 128/512 tokens;
+(2) rerank of 5/25/50 documents x 512 tokens; (3) embeddings/s with request batch 100 x 512
+tokens and 4 concurrent clients; (4) latency with 1..16 concurrent single-input clients.
+Every served answer is checked against the in-process ROSE embedding (cosine >= 0.999),
+so a fast but wrong run fails. Results: bench/results/serving.md (+ serving_*.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["main"]
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+MODEL = "multilingual-e5-small"
+_WORDS = (
+    "search engines rank documents by relevance to a query using embeddings "
+    "Die Suchmaschine ordnet Dokumente nach Relevanz la recherche sémantique "
+    "поиск документов 検索エンジンは文書を並べ替える motor de búsqueda"
+).split()
+
+
+@dataclass(frozen=True)
+class Plan:
+    latency_requests: int
+    rerank_requests: int
+    throughput_requests_per_client: int
+    concurrency_requests_per_client: int
+    concurrency_levels: tuple[int, ...] = (1, 2, 4, 8, 16)
+
+
+FULL = Plan(60, 5, 3, 10)
+QUICK = Plan(15, 2, 1, 4)
+
+
+@dataclass
+class Row:
+    system: str
+    values: dict[str, float | str] = field(default_factory=dict)
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    ms = np.array(samples) * 1e3
+    return {
+        "p50 ms": float(np.percentile(ms, 50)),
+        "p90 ms": float(np.percentile(ms, 90)),
+        "p99 ms": float(np.percentile(ms, 99)),
+        "max ms": float(ms.max()),
+        "n": float(len(samples)),
+    }
+
+
+def text_of(tokenizer: object, n_tokens: int, seed: int) -> str:
+    """A text that tokenizes to at most (and about) ``n_tokens`` tokens, specials included."""
+    rng = np.random.default_rng(seed)
+    words = list(rng.choice(_WORDS, size=n_tokens * 2))
+    ids = tokenizer.encode(" ".join(words), add_special_tokens=False).ids  # type: ignore[attr-defined]
+    keep = n_tokens - 2
+    while True:
+        text = tokenizer.decode(ids[:keep])  # type: ignore[attr-defined]
+        if len(tokenizer.encode(text).ids) <= n_tokens:  # type: ignore[attr-defined]
+            return text
+        keep -= 2
+
+
+def cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+class Http:
+    """A small synchronous client per thread (httpx, keep-alive)."""
+
+    def __init__(self, base: str, embed_path: str, model: str) -> None:
+        import httpx
+
+        self.base = base
+        self.embed_path = embed_path
+        self.model = model
+        self._local = threading.local()
+        self._httpx = httpx
+
+    def client(self) -> object:
+        c = getattr(self._local, "client", None)
+        if c is None:
+            c = self._httpx.Client(base_url=self.base, timeout=600)
+            self._local.client = c
+        return c
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        r = self.client().post(  # type: ignore[attr-defined]
+            self.embed_path, json={"model": self.model, "input": texts, "encoding_format": "float"}
+        )
+        r.raise_for_status()
+        return np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
+
+    def rerank(self, query: str, docs: list[str]) -> list[float]:
+        r = self.client().post(  # type: ignore[attr-defined]
+            "/v1/rerank", json={"model": self.model, "query": query, "documents": docs}
+        )
+        r.raise_for_status()
+        return [x["relevance_score"] for x in sorted(r.json()["results"], key=lambda x: x["index"])]
+
+
+@contextlib.contextmanager
+def ivy_cluster(model: str) -> Iterator[Http]:
+    from ivy.cluster import Cluster, ClusterConfig, free_port
+
+    # CPU batches of 100 x 512 tokens from 4 clients take minutes here: lift the deadline.
+    config = ClusterConfig(
+        model=model,
+        replicas=2,
+        port=free_port(),
+        drain_seconds=2,
+        extra_ivy_args=("--request-timeout-seconds", "1800"),
+    )
+    cluster = Cluster(config)
+    cluster.start()
+    try:
+        cluster.wait_ready()
+        yield Http(cluster.base_url, "/v1/embeddings", cluster.name)
+    finally:
+        cluster.stop()
+
+
+@contextlib.contextmanager
+def infinity_server(venv: Path, model_dir: Path) -> Iterator[Http]:
+    from ivy.cluster import free_port
+
+    port = free_port()
+    exe = venv / "bin" / "infinity_emb"
+    proc = subprocess.Popen(
+        [str(exe), "v2", "--model-id", str(model_dir), "--port", str(port), "--engine", "torch"]
+        + ["--device", "cpu", "--served-model-name", MODEL, "--no-model-warmup"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ, INFINITY_ANONYMOUS_USAGE_STATS="0", HF_HUB_OFFLINE="1"),
+    )
+    try:
+        import httpx
+
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"infinity exited with {proc.returncode}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        else:
+            raise TimeoutError("infinity did not start")
+        yield Http(f"http://127.0.0.1:{port}", "/embeddings", MODEL)
+    finally:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(30)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def timed(fn: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def concurrent(
+    fn: Callable[[int], object], clients: int, per_client: int
+) -> tuple[list[float], float]:
+    """Per-request latencies and wall time of ``clients`` threads each sending ``per_client``."""
+    samples: list[float] = []
+    lock = threading.Lock()
+
+    def loop(c: int) -> None:
+        for i in range(per_client):
+            t0 = time.perf_counter()
+            fn(c * 1000 + i)
+            dt = time.perf_counter() - t0
+            with lock:
+                samples.append(dt)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(loop, range(clients)))
+    return samples, time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class Texts:
+    t128: list[str]
+    t512: list[str]
+    query: str
+
+
+def measure(
+    system: str,
+    embed: Callable[[list[str]], np.ndarray],
+    rerank: Callable[[str, list[str]], list[float]] | None,
+    is_server: bool,
+    texts: Texts,
+    reference: dict[str, np.ndarray],
+    plan: Plan,
+    tables: dict[str, list[Row]],
+) -> bool:
+    """Fill the four tables for one system; False when its answers are wrong."""
+    for t, want in reference.items():
+        got = embed([t])[0]
+        if cos(got, want) < 0.999:
+            print(f"{system}: wrong embedding (cosine {cos(got, want):.5f})")
+            return False
+    embed(texts.t128[:2])  # warm-up
+    for n_tokens, pool in ((128, texts.t128), (512, texts.t512)):
+        first = pool[0]
+        samples = timed(lambda first=first: embed([first]), plan.latency_requests)
+        tables["latency"].append(Row(system, {"tokens": n_tokens, **percentiles(samples)}))
+    for n_docs in (5, 25, 50):
+        docs = texts.t512[:n_docs]
+        prompted = ["query: " + texts.query] + ["passage: " + d for d in docs]
+
+        def one(docs: list[str] = docs, prompted: list[str] = prompted) -> object:
+            return rerank(texts.query, docs) if rerank is not None else embed(prompted)
+
+        samples = timed(one, plan.rerank_requests)
+        tables["rerank"].append(Row(system, {"docs": n_docs, **percentiles(samples)}))
+    batch = texts.t512[:100]
+    # In-process engines are not shared across threads: they run the same requests one
+    # after another (their natural floor); servers get 4 concurrent clients.
+    clients = 4 if is_server else 1
+    per_client = plan.throughput_requests_per_client * 4 // clients
+    samples, wall = concurrent(lambda i: embed(batch), clients, per_client)
+    n = clients * per_client * 100
+    tables["throughput"].append(Row(system, {"embeddings/s": n / wall, **percentiles(samples)}))
+    if is_server:
+        for c in plan.concurrency_levels:
+            samples, wall = concurrent(
+                lambda i: embed([texts.t128[i % len(texts.t128)]]),
+                c,
+                plan.concurrency_requests_per_client,
+            )
+            tables["concurrency"].append(
+                Row(system, {"clients": c, "req/s": len(samples) / wall, **percentiles(samples)})
+            )
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tokenizers import Tokenizer
+
+    from rose import Engine, EngineConfig, RaggedBatch
+    from rose.assets import ensure_model
+
+    plan = QUICK if args.quick else FULL
+    model_dir = Path(ensure_model(MODEL))
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    t128 = [text_of(tok, 128, s) for s in range(64)]
+    t512 = [text_of(tok, 512, 100 + s) for s in range(128)]
+    query = "how do search engines rank documents"
+
+    engine = Engine.load(model_dir, EngineConfig(device="cpu"))
+
+    def rose_embed(texts: list[str]) -> np.ndarray:
+        # Cut to the model's 512 tokens keeping the closing special, as the servers do.
+        rows = [
+            e.ids if len(e.ids) <= 512 else e.ids[:511] + e.ids[-1:]
+            for e in tok.encode_batch(texts)
+        ]
+        # Batches of at most 16 rows (<= 8192 tokens), like Tulip's token-budget batching.
+        out = [
+            np.asarray(engine.step(RaggedBatch.from_lists(rows[i : i + 16])).wait(), np.float32)
+            for i in range(0, len(rows), 16)
+        ]
+        return np.concatenate(out)
+
+    reference = {
+        t: v for t, v in zip(t128[:4] + t512[:4], rose_embed(t128[:4] + t512[:4]), strict=True)
+    }
+
+    from sentence_transformers import SentenceTransformer
+
+    st_model = SentenceTransformer(str(model_dir), device="cpu")
+
+    def st_embed(texts: list[str]) -> np.ndarray:
+        return np.asarray(st_model.encode(texts, batch_size=len(texts), normalize_embeddings=True))
+
+    systems: dict[str, Callable[[], contextlib.AbstractContextManager[object]]] = {}
+    systems["rose in-process"] = lambda: contextlib.nullcontext(rose_embed)
+    systems["sentence-transformers in-process"] = lambda: contextlib.nullcontext(st_embed)
+    systems["ivy (2 tulip replicas)"] = lambda: ivy_cluster(str(model_dir))
+    venv = Path(args.infinity_venv).expanduser()
+    infinity_note = ""
+    if args.skip_infinity:
+        infinity_note = "Infinity skipped (--skip-infinity)."
+    elif not (venv / "bin" / "infinity_emb").exists():
+        infinity_note = f"Infinity not run: no virtual environment at {venv}."
+    else:
+        systems["infinity"] = lambda: infinity_server(venv, model_dir)
+
+    tables: dict[str, list[Row]] = {
+        k: [] for k in ("latency", "rerank", "throughput", "concurrency")
+    }
+    if args.only:
+        # Re-run some systems, keeping the other systems' rows of the previous run.
+        unknown = set(args.only) - set(systems)
+        if unknown:
+            print(f"unknown systems {sorted(unknown)}; known: {sorted(systems)}")
+            return 2
+        previous = RESULTS / "serving.json"
+        if previous.exists():
+            for key, rows in json.loads(previous.read_text()).items():
+                tables[key] = [
+                    Row(r["system"], r["values"]) for r in rows if r["system"] not in args.only
+                ]
+        systems = {k: v for k, v in systems.items() if k in args.only}
+    texts = Texts(t128, t512, query)
+    for system, factory in systems.items():
+        print(f"-- {system}", flush=True)
+        with factory() as handle:
+            if isinstance(handle, Http):
+                # Infinity reranks only with cross-encoder models: embed + cosine there too.
+                rerank = handle.rerank if system != "infinity" else None
+                ok = measure(system, handle.embed, rerank, True, texts, reference, plan, tables)
+            else:
+                ok = measure(system, handle, None, False, texts, reference, plan, tables)  # type: ignore[arg-type]
+            if not ok:
+                return 1
+        # Rewritten after each system so a long run leaves its finished tables behind.
+        write_results(tables, infinity_note, plan, torch.__version__, quiet=True)
+    write_results(tables, infinity_note, plan, torch.__version__)
+    return 0
+
+
+def _fmt(v: float | str) -> str:
+    return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+
+def write_results(
+    tables: dict[str, list[Row]], note: str, plan: Plan, torch_version: str, quiet: bool = False
+) -> None:
+    import importlib.metadata as md
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    versions = []
+    for pkg in ("torch", "sentence-transformers", "transformers", "fastapi", "uvicorn", "grpcio"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            versions.append(f"{pkg} {md.version(pkg)}")
+    lines = [
+        "# Serving benchmark (bench/serving)",
+        "",
+        f"Model {MODEL}, CPU. Machine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, load average at end "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}. {'; '.join(versions)}.",
+        f"Plan: {plan}. {note}",
+        "",
+        "Ivy runs `trellis up`'s layout: 2 Tulip replicas x (cores / 2) torch threads; the",
+        "in-process rows use every core in one process, so at batch 1 each Ivy replica has",
+        "half the cores of the in-process floor. The machine is shared with other jobs:",
+        "compare rows of one run only.",
+        "",
+    ]
+    titles = {
+        "latency": "(1) Latency, batch 1",
+        "rerank": "(2) Rerank, documents x 512 tokens (in-process rows: embed query + documents)",
+        "throughput": "(3) Throughput, request batch 100 x 512 tokens, 4 concurrent clients",
+        "concurrency": "(4) Latency with concurrent single-input clients (128 tokens)",
+    }
+    for key, rows in tables.items():
+        if not rows:
+            continue
+        cols = list(rows[0].values)
+        lines += [f"## {titles[key]}", "", "| system | " + " | ".join(cols) + " |"]
+        lines.append("|" + "---|" * (len(cols) + 1))
+        for row in rows:
+            lines.append(
+                f"| {row.system} | " + " | ".join(_fmt(row.values[c]) for c in cols) + " |"
+            )
+        lines.append("")
+    lines += ratios(tables)
+    (RESULTS / "serving.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    raw = {
+        k: [{"system": r.system, "values": r.values} for r in rows] for k, rows in tables.items()
+    }
+    (RESULTS / "serving.json").write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
+    plot(tables)
+    if not quiet:
+        print("\n".join(lines))
+
+
+def ratios(tables: dict[str, list[Row]]) -> list[str]:
+    out = ["## Bars", ""]
+    lat = {(r.system, r.values["tokens"]): r.values["p50 ms"] for r in tables["latency"]}
+    ivy = lat.get(("ivy (2 tulip replicas)", 128))
+    rose = lat.get(("rose in-process", 128))
+    if ivy is not None and rose is not None:
+        added = float(ivy) - float(rose)
+        out.append(
+            f"- Ivy added latency at batch 1 x 128 tokens (p50): {added:.2f} ms (bar: <= 2 ms)"
+        )
+    thr = {r.system: float(r.values["embeddings/s"]) for r in tables["throughput"]}
+    if "ivy (2 tulip replicas)" in thr:
+        i = thr["ivy (2 tulip replicas)"]
+        if "sentence-transformers in-process" in thr:
+            st = thr["sentence-transformers in-process"]
+            out.append(f"- Ivy / sentence-transformers throughput: {i / st:.2f}x (bar: >= 0.9x)")
+        if "infinity" in thr:
+            out.append(f"- Ivy / Infinity throughput: {i / thr['infinity']:.2f}x (bar: >= 1.2x)")
+    return out + [""]
+
+
+def plot(tables: dict[str, list[Row]]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    rows = tables["concurrency"]
+    if rows:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for system in dict.fromkeys(r.system for r in rows):
+            pts = [r for r in rows if r.system == system]
+            ax.plot(
+                [r.values["clients"] for r in pts],
+                [r.values["p50 ms"] for r in pts],
+                "o-",
+                label=system,
+            )
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel("p50 latency (ms)")
+        ax.set_xscale("log", base=2)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(RESULTS / "serving_concurrency.png", dpi=100)
+    rows = tables["throughput"]
+    if rows:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ax.barh([r.system for r in rows], [float(r.values["embeddings/s"]) for r in rows])
+        ax.set_xlabel("embeddings/s (batch 100 x 512 tokens, 4 clients)")
+        fig.tight_layout()
+        fig.savefig(RESULTS / "serving_throughput.png", dpi=100)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench serving")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument("--infinity-venv", default="~/.cache/trellis/bench-venvs/infinity")
+    parser.add_argument("--skip-infinity", action="store_true")
+    parser.add_argument(
+        "--only", action="append", metavar="SYSTEM", help="re-run only this system (repeatable)"
+    )
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,214 @@
+"""Ivy's configuration: one frozen dataclass read once from flags and `IVY_*` environment.
+
+Every flag ``--some-flag`` can also be given as ``IVY_SOME_FLAG``; a flag on the command
+line wins over the environment. Repeatable flags (``--model``, ``--replicas``,
+``--replicas-dns``) take semicolon-separated entries in the environment, e.g.
+``IVY_MODEL="e5=/models/e5;minilm=/models/minilm"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "WORKER_CONFIG_ENV",
+    "ConfigError",
+    "IvyConfig",
+    "add_arguments",
+    "config_from_args",
+    "parse_config",
+]
+
+# Environment variable holding a serialized IvyConfig for uvicorn worker processes.
+WORKER_CONFIG_ENV = "IVY_WORKER_CONFIG_JSON"
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the offending key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class IvyConfig:
+    """Everything an Ivy worker needs; validated in ``__post_init__``."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: int = 1
+    # served model name -> Hugging Face model directory (tokenizer and prompts are read here)
+    models: Mapping[str, str] = field(default_factory=dict)
+    # served model name -> static replica addresses "host:port"
+    replicas: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    # served model name -> "dns-name:port", re-resolved every dns_refresh_seconds
+    replicas_dns: Mapping[str, str] = field(default_factory=dict)
+    dns_refresh_seconds: float = 10.0
+    chunk_tokens: int = 8192
+    api_keys_file: str | None = None
+    api_keys: tuple[str, ...] = ()
+    request_timeout_seconds: float = 60.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_inputs: int = 2048
+    health_interval_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ConfigError("host", "must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("port", f"must be in 0..65535, got {self.port}")
+        if self.workers < 1:
+            raise ConfigError("workers", f"must be >= 1, got {self.workers}")
+        if not self.models:
+            raise ConfigError("model", "at least one --model NAME=DIR is required")
+        for name, directory in self.models.items():
+            if not name:
+                raise ConfigError("model", "model name must not be empty")
+            if not Path(directory, "tokenizer.json").is_file():
+                raise ConfigError("model", f"{name}: {directory} has no tokenizer.json")
+        served = set(self.models)
+        routed = set(self.replicas) | set(self.replicas_dns)
+        for name in routed - served:
+            raise ConfigError("replicas", f"replicas given for {name!r}, which no --model names")
+        for name in served - routed:
+            raise ConfigError("replicas", f"model {name!r} has no --replicas or --replicas-dns")
+        for name in set(self.replicas) & set(self.replicas_dns):
+            raise ConfigError("replicas-dns", f"{name!r} has both a static list and a DNS name")
+        for name, addresses in self.replicas.items():
+            if not addresses:
+                raise ConfigError("replicas", f"{name!r} has an empty replica list")
+            for address in addresses:
+                _check_address("replicas", address)
+        for address in self.replicas_dns.values():
+            _check_address("replicas-dns", address)
+        if self.dns_refresh_seconds <= 0:
+            raise ConfigError("dns-refresh-seconds", "must be > 0")
+        if self.chunk_tokens < 1:
+            raise ConfigError("chunk-tokens", f"must be >= 1, got {self.chunk_tokens}")
+        if self.request_timeout_seconds <= 0:
+            raise ConfigError("request-timeout-seconds", "must be > 0")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max-body-bytes", f"must be >= 1024, got {self.max_body_bytes}")
+        if self.max_inputs < 1:
+            raise ConfigError("max-inputs", "must be >= 1")
+        if self.health_interval_seconds <= 0:
+            raise ConfigError("health-interval-seconds", "must be > 0")
+        if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
+            raise ConfigError("api-keys-file", f"{self.api_keys_file} is not a file")
+        if any(not key for key in self.api_keys):
+            raise ConfigError("api-keys", "keys must not be empty")
+
+    def all_api_keys(self) -> frozenset[str]:
+        """Keys from the environment list and the keys file (one per line, # comments)."""
+        keys = set(self.api_keys)
+        if self.api_keys_file is not None:
+            for line in Path(self.api_keys_file).read_text(encoding="utf-8").splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    keys.add(line)
+        return frozenset(keys)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> IvyConfig:
+        raw = json.loads(text)
+        raw["replicas"] = {k: tuple(v) for k, v in raw["replicas"].items()}
+        raw["api_keys"] = tuple(raw["api_keys"])
+        return cls(**raw)
+
+
+def _check_address(key: str, address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(key, f"{address!r} is not host:port")
+
+
+def _pairs(key: str, entries: Sequence[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for entry in entries:
+        name, sep, value = entry.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ConfigError(key, f"{entry!r} is not NAME=VALUE")
+        if name.strip() in out:
+            raise ConfigError(key, f"{name.strip()!r} given twice")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register Ivy's flags (defaults None so the environment can fill them)."""
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--workers", type=int, help="uvicorn worker processes")
+    parser.add_argument("--model", action="append", metavar="NAME=DIR", help="served model")
+    parser.add_argument("--replicas", action="append", metavar="NAME=HOST:PORT,...")
+    parser.add_argument("--replicas-dns", action="append", metavar="NAME=DNS:PORT")
+    parser.add_argument("--dns-refresh-seconds", type=float)
+    parser.add_argument("--chunk-tokens", type=int)
+    parser.add_argument("--api-keys-file")
+    parser.add_argument("--request-timeout-seconds", type=float)
+    parser.add_argument("--max-body-bytes", type=int)
+    parser.add_argument("--max-inputs", type=int)
+    parser.add_argument("--health-interval-seconds", type=float)
+
+
+_SCALARS: dict[str, type] = {
+    "host": str,
+    "port": int,
+    "workers": int,
+    "dns_refresh_seconds": float,
+    "chunk_tokens": int,
+    "api_keys_file": str,
+    "request_timeout_seconds": float,
+    "max_body_bytes": int,
+    "max_inputs": int,
+    "health_interval_seconds": float,
+}
+_LISTS = ("model", "replicas", "replicas_dns")
+
+
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> IvyConfig:
+    """Build the config from parsed flags, falling back to ``IVY_*`` variables."""
+    values: dict[str, object] = {}
+    for key, kind in _SCALARS.items():
+        value = getattr(args, key, None)
+        if value is None and f"IVY_{key.upper()}" in environ:
+            raw = environ[f"IVY_{key.upper()}"]
+            try:
+                value = kind(raw)
+            except ValueError:
+                raise ConfigError(key.replace("_", "-"), f"cannot parse {raw!r}") from None
+        if value is not None:
+            values[key] = value
+    lists: dict[str, list[str]] = {}
+    for key in _LISTS:
+        entries = getattr(args, key, None)
+        if not entries and environ.get(f"IVY_{key.upper()}"):
+            entries = [e for e in environ[f"IVY_{key.upper()}"].split(";") if e.strip()]
+        lists[key] = list(entries or [])
+    values["models"] = _pairs("model", lists["model"])
+    values["replicas"] = {
+        name: tuple(a.strip() for a in value.split(",") if a.strip())
+        for name, value in _pairs("replicas", lists["replicas"]).items()
+    }
+    values["replicas_dns"] = _pairs("replicas-dns", lists["replicas_dns"])
+    keys = environ.get("IVY_API_KEYS", "")
+    values["api_keys"] = tuple(k.strip() for k in keys.split(",") if k.strip())
+    return IvyConfig(**values)  # type: ignore[arg-type]
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> IvyConfig:
+    parser = argparse.ArgumentParser(prog="ivy", description="Trellis HTTP gateway")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return config_from_args(args, os.environ if environ is None else environ)

@@ -1,0 +1,117 @@
+"""What Ivy knows about a served model: its tokenizer and prompts (read from the model
+directory) and its shape (dimensions, input limit, kind), confirmed by a replica's Info."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ivy.tokenization import TextTokenizer, load_tokenizer
+from protos.trellis.v1 import inference_pb2 as pb
+
+__all__ = ["ModelSpec", "ServedModel", "read_model_spec"]
+
+EMBEDDING = "embedding"
+CROSS_ENCODER = "cross-encoder"
+GENERATOR = "generator"
+
+_KINDS = {
+    pb.MODEL_KIND_EMBEDDING: EMBEDDING,
+    pb.MODEL_KIND_CROSS_ENCODER: CROSS_ENCODER,
+    pb.MODEL_KIND_GENERATOR: GENERATOR,
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Model facts; ``from_directory`` guesses, ``with_info`` applies a replica's answer."""
+
+    kind: str
+    dimensions: int
+    max_input_tokens: int
+    query_prompt: str
+    document_prompt: str
+    vocab_size: int
+    confirmed: bool = False
+
+    def with_info(self, info: pb.InfoResponse) -> ModelSpec:
+        return replace(
+            self,
+            kind=_KINDS.get(info.kind, self.kind),
+            dimensions=int(info.dimensions) or self.dimensions,
+            max_input_tokens=int(info.max_input_tokens) or self.max_input_tokens,
+            query_prompt=self.query_prompt or info.query_prompt,
+            document_prompt=self.document_prompt or info.document_prompt,
+            vocab_size=int(info.vocab_size) or self.vocab_size,
+            confirmed=True,
+        )
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
+    """Read prompts, dimensions and input limit from a Hugging Face model directory."""
+    config = _read_json(directory / "config.json")
+    st_config = _read_json(directory / "config_sentence_transformers.json")
+    sbert = _read_json(directory / "sentence_bert_config.json")
+    prompts = st_config.get("prompts") or {}
+    query_prompt = str(prompts.get("query", ""))
+    document_prompt = str(prompts.get("document", prompts.get("passage", "")))
+    architectures = " ".join(config.get("architectures") or [])
+    if "SequenceClassification" in architectures:
+        kind = CROSS_ENCODER
+    elif "CausalLM" in architectures:
+        kind = GENERATOR
+    else:
+        kind = EMBEDDING
+    max_tokens = int(sbert.get("max_seq_length") or 0)
+    if not max_tokens:
+        positions = int(config.get("max_position_embeddings") or 512)
+        # RoBERTa-style position ids start after the padding index.
+        offset = (
+            int(config.get("pad_token_id") or 0) + 1
+            if config.get("model_type")
+            in (
+                "xlm-roberta",
+                "roberta",
+            )
+            else 0
+        )
+        max_tokens = positions - offset
+    return ModelSpec(
+        kind=kind,
+        dimensions=int(config.get("hidden_size") or 0),
+        max_input_tokens=max_tokens,
+        query_prompt=query_prompt,
+        document_prompt=document_prompt,
+        vocab_size=vocab_size,
+    )
+
+
+@dataclass
+class ServedModel:
+    """A served model name, its tokenizer and its current spec."""
+
+    name: str
+    directory: Path
+    tokenizer: TextTokenizer
+    spec: ModelSpec
+
+    @classmethod
+    def load(cls, name: str, directory: str | Path) -> ServedModel:
+        directory = Path(directory)
+        tokenizer = load_tokenizer(directory / "tokenizer.json")
+        return cls(name, directory, tokenizer, read_model_spec(directory, tokenizer.vocab_size))
+
+    def prompt_for(self, input_type: str | None) -> str:
+        if input_type == "search_query" or input_type == "query":
+            return self.spec.query_prompt
+        if input_type in ("search_document", "document", "passage"):
+            return self.spec.document_prompt
+        return ""

@@ -1,0 +1,220 @@
+"""Replicas of one served model: a shared gRPC channel each, health watched through
+`grpc.health.v1`, and the least-outstanding-tokens / power-of-two-choices pick.
+
+A pool's membership comes from a static address list or a DNS name (a Kubernetes
+headless Service) re-resolved periodically; replicas that vanish are closed after a grace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ivy.metrics import Metrics
+from protos.trellis.v1 import inference_pb2 as pb
+from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
+
+__all__ = ["Replica", "ReplicaPool"]
+
+_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+    # One HTTP/2 connection per replica carries every request of this worker.
+    ("grpc.use_local_subchannel_pool", 1),
+)
+# After a call fails with UNAVAILABLE the replica is avoided this long, whatever health says.
+_SUSPECT_SECONDS = 1.0
+_HEALTH_SERVICES = ("", "trellis.v1.Inference")
+
+
+class Replica:
+    """One Tulip process: channel, stubs and routing state (owned by the event loop)."""
+
+    def __init__(self, model: str, address: str, metrics: Metrics) -> None:
+        self.model = model
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self.stub = pb_grpc.InferenceStub(self.channel)
+        self.outstanding_tokens = 0
+        self.watched_serving = False
+        self.suspect_until = 0.0
+        self.info: pb.InfoResponse | None = None
+        self._metrics = metrics
+        self._labels = {"model": model, "replica": address}
+        self._watch_task: asyncio.Task[None] | None = None
+
+    @property
+    def healthy(self) -> bool:
+        return self.watched_serving and time.monotonic() >= self.suspect_until
+
+    def mark_suspect(self) -> None:
+        self.suspect_until = time.monotonic() + _SUSPECT_SECONDS
+
+    def acquire(self, tokens: int) -> None:
+        self.outstanding_tokens += tokens
+        self._metrics.replica_outstanding_tokens.labels(**self._labels).set(self.outstanding_tokens)
+
+    def release(self, tokens: int, outcome: str) -> None:
+        self.outstanding_tokens -= tokens
+        self._metrics.replica_outstanding_tokens.labels(**self._labels).set(self.outstanding_tokens)
+        self._metrics.replica_chunks.labels(outcome=outcome, **self._labels).inc()
+        if outcome == "OK":
+            self._metrics.replica_tokens.labels(**self._labels).inc(tokens)
+
+    def _set_serving(self, serving: bool) -> None:
+        self.watched_serving = serving
+        self._metrics.replica_healthy.labels(**self._labels).set(1 if self.healthy else 0)
+
+    def start(self, on_info: Callable[[Replica], None], retry_seconds: float) -> None:
+        self._watch_task = asyncio.get_running_loop().create_task(
+            self._watch(on_info, retry_seconds), name=f"ivy-health-{self.address}"
+        )
+
+    async def _watch(self, on_info: Callable[[Replica], None], retry_seconds: float) -> None:
+        health = health_pb2_grpc.HealthStub(self.channel)
+        service_index = 0
+        while True:
+            service = _HEALTH_SERVICES[service_index]
+            try:
+                call = health.Watch(health_pb2.HealthCheckRequest(service=service))
+                async for status in call:
+                    if status.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
+                        service_index = (service_index + 1) % len(_HEALTH_SERVICES)
+                        self._set_serving(False)
+                        call.cancel()
+                        break
+                    serving = status.status == health_pb2.HealthCheckResponse.SERVING
+                    if serving and self.info is None:
+                        with contextlib.suppress(grpc.aio.AioRpcError):
+                            self.info = await self.stub.Info(pb.InfoRequest(), timeout=5.0)
+                            on_info(self)
+                        if self.info is None:  # serving but not answering: watch again later
+                            self._set_serving(False)
+                            call.cancel()
+                            break
+                    self._set_serving(serving)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    # No streaming health: fall back to polling Check.
+                    await self._poll(health, service, on_info, retry_seconds)
+                    return
+                self._set_serving(False)
+            await asyncio.sleep(retry_seconds)
+
+    async def _poll(
+        self,
+        health: health_pb2_grpc.HealthStub,
+        service: str,
+        on_info: Callable[[Replica], None],
+        interval: float,
+    ) -> None:
+        while True:
+            try:
+                status = await health.Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=interval * 2
+                )
+                serving = status.status == health_pb2.HealthCheckResponse.SERVING
+                if serving and self.info is None:
+                    self.info = await self.stub.Info(pb.InfoRequest(), timeout=5.0)
+                    on_info(self)
+                self._set_serving(serving and self.info is not None)
+            except grpc.aio.AioRpcError:
+                self._set_serving(False)
+            await asyncio.sleep(interval)
+
+    async def close(self, grace: float | None = None) -> None:
+        if self._watch_task is not None:
+            self._watch_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watch_task
+        self._metrics.replica_healthy.labels(**self._labels).set(0)
+        await self.channel.close(grace)
+
+
+class ReplicaPool:
+    """The replicas serving one model name."""
+
+    def __init__(
+        self,
+        model: str,
+        metrics: Metrics,
+        on_info: Callable[[Replica], None],
+        health_retry_seconds: float = 1.0,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.model = model
+        self.replicas: dict[str, Replica] = {}
+        self._metrics = metrics
+        self._on_info = on_info
+        self._retry = health_retry_seconds
+        self._rng = rng or random.Random()
+        self._dns_task: asyncio.Task[None] | None = None
+
+    def set_addresses(self, addresses: Iterable[str]) -> list[Awaitable[None]]:
+        """Add new addresses and drop vanished ones; returns the closes to await."""
+        wanted = set(addresses)
+        closes: list[Awaitable[None]] = []
+        for address in list(self.replicas):
+            if address not in wanted:
+                closes.append(self.replicas.pop(address).close(grace=5.0))
+        for address in sorted(wanted - set(self.replicas)):
+            replica = Replica(self.model, address, self._metrics)
+            self.replicas[address] = replica
+            replica.start(self._on_info, self._retry)
+        return closes
+
+    def start_dns(self, target: str, refresh_seconds: float) -> None:
+        host, _, port = target.rpartition(":")
+        self._dns_task = asyncio.get_running_loop().create_task(
+            self._resolve_forever(host, int(port), refresh_seconds), name=f"ivy-dns-{target}"
+        )
+
+    async def _resolve_forever(self, host: str, port: int, refresh_seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError:
+                infos = None  # keep the current set on a failed lookup
+            if infos is not None:
+                addresses = {
+                    f"[{info[4][0]}]:{port}"
+                    if info[0] == socket.AF_INET6
+                    else f"{info[4][0]}:{port}"
+                    for info in infos
+                }
+                for close in self.set_addresses(addresses):
+                    loop.create_task(close)  # type: ignore[arg-type]
+            await asyncio.sleep(refresh_seconds)
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if r.healthy]
+
+    def pick(self, exclude: set[Replica] | frozenset[Replica] = frozenset()) -> Replica | None:
+        """Least outstanding tokens among two random healthy replicas."""
+        candidates = [r for r in self.replicas.values() if r.healthy and r not in exclude]
+        if not candidates:
+            return None
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._rng.sample(candidates, 2)
+        return a if a.outstanding_tokens <= b.outstanding_tokens else b
+
+    async def close(self) -> None:
+        if self._dns_task is not None:
+            self._dns_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._dns_task
+        await asyncio.gather(*(r.close() for r in self.replicas.values()))
+        self.replicas.clear()

@@ -1,0 +1,152 @@
+"""Request and response shapes. Requests are parsed with orjson and validated with these
+models (strict: no coercion of JSON types); the same models document /openapi.json."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "EmbeddingRequest",
+    "EmbeddingResponse",
+    "ErrorResponse",
+    "ModelList",
+    "RerankRequest",
+    "RerankResponse",
+    "TokenizeRequest",
+    "TokenizeResponse",
+]
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+InputType = Literal["search_query", "search_document", "query", "document", "passage", "none"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request, plus `input_type` (prompt selection) and `truncate`."""
+
+    input: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=2048)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=2048)]
+    ) = Field(description="Text, texts, token ids or lists of token ids (at most 2048 inputs).")
+    model: str
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+    input_type: InputType | None = Field(
+        default=None,
+        description="Trellis extension: apply the model's query or document prompt.",
+    )
+    truncate: bool = Field(
+        default=False,
+        description="Trellis extension: cut inputs over the model's limit instead of failing.",
+    )
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: Usage
+
+
+class RerankDocument(_Strict):
+    text: str
+
+
+class RerankRequest(_Strict):
+    """Cohere v2 and Jina rerank requests."""
+
+    model: str
+    query: NonEmptyStr
+    documents: Annotated[list[str | RerankDocument], Field(min_length=1, max_length=2048)]
+    top_n: Annotated[int, Field(ge=1)] | None = None
+    return_documents: bool | None = None
+    max_tokens_per_doc: Annotated[int, Field(ge=1)] | None = None
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class ApiVersion(BaseModel):
+    version: str
+
+
+class BilledUnits(BaseModel):
+    search_units: int
+
+
+class RerankMeta(BaseModel):
+    api_version: ApiVersion
+    billed_units: BilledUnits
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: Usage
+    meta: RerankMeta
+
+
+class TokenizeRequest(_Strict):
+    model: str
+    input: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=2048)]
+    add_special_tokens: bool = True
+
+
+class TokenizedInput(BaseModel):
+    index: int
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+
+
+class TokenizeResponse(BaseModel):
+    model: str
+    data: list[TokenizedInput]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

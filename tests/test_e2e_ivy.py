@@ -1,0 +1,413 @@
+"""End to end: `trellis up`'s cluster (2 Tulip processes + Ivy) with the real
+multilingual-e5-small weights, checked against ROSE run in this process and driven by
+the official `openai` and `cohere` clients.
+
+The cluster starts once for the module; the replica-kill test runs last because it
+changes the cluster.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from ivy.cluster import free_port
+
+MODEL = "multilingual-e5-small"
+TEXTS = [
+    "how much protein should a female eat",
+    "summit define",
+    "Die Katze sitzt auf der Matte.",
+    "東京は日本の首都です。",
+    "Как пройти в библиотеку?",
+    "El rápido zorro marrón salta sobre el perro perezoso.",
+]
+COSINE = 0.99999
+MAX_BODY = 4 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from rose.assets import ensure_model
+
+    return Path(ensure_model(MODEL))
+
+
+@dataclass
+class UpCluster:
+    """A running `trellis up` process and what it printed."""
+
+    proc: subprocess.Popen[str]
+    base_url: str
+    name: str
+    replica_addresses: list[str]
+    output: list[str]
+
+    def children(self) -> dict[int, str]:
+        """pid -> command line of the processes `trellis up` started."""
+        pids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        out = {}
+        for pid in pids:
+            with contextlib.suppress(FileNotFoundError):
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                out[int(pid)] = cmd
+        return out
+
+    def replica_pid(self, address: str) -> int:
+        port = address.rpartition(":")[2]
+        for pid, cmd in self.children().items():
+            if " -m tulip " in cmd and f"--port {port} " in cmd:
+                return pid
+        raise LookupError(address)
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path) -> Iterator[UpCluster]:
+    """`trellis up` exactly as `make run` starts it (other model directory, free port)."""
+    port = free_port()
+    env = dict(os.environ, IVY_MAX_BODY_BYTES=str(MAX_BODY), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ivy.cli", "up", "--model", str(model_dir), "--port", str(port)]
+        + ["--replicas", "2", "--threads-per-replica", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines: list[str] = []
+    up = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Trellis is up"):
+                up.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + 400
+    while not up.is_set() and proc.poll() is None and time.monotonic() < deadline:
+        up.wait(0.5)
+    if not up.is_set():
+        proc.kill()
+        pytest.fail("trellis up did not become ready:\n" + "".join(lines[-80:]))
+    text = "".join(lines)
+    assert f"curl -s http://127.0.0.1:{port}/v1/embeddings" in text
+    assert f"curl -s http://127.0.0.1:{port}/v1/rerank" in text
+    addresses = re.search(r"thread\(s\) at (\S+), (\S+); Ivy", text)
+    assert addresses is not None, text
+    c = UpCluster(proc, f"http://127.0.0.1:{port}", model_dir.name, list(addresses.groups()), lines)
+    children = c.children()
+    assert sum(" -m tulip " in cmd for cmd in children.values()) == 2, children
+    assert sum(" -m ivy " in cmd for cmd in children.values()) == 1, children
+    yield c
+    # Ctrl-C: everything drains and stops, and `trellis up` exits cleanly.
+    proc.send_signal(signal.SIGINT)
+    try:
+        code = proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    for pid in children:
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        ), f"child {pid} still running"
+    assert code == 0, "".join(lines[-40:])
+
+
+@pytest.fixture(scope="module")
+def base(cluster: UpCluster) -> str:
+    return cluster.base_url
+
+
+@pytest.fixture(scope="module")
+def name(cluster: UpCluster) -> str:
+    return cluster.name
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir: Path):  # noqa: ANN201 - returns a closure
+    """Texts -> ROSE embeddings in this process, tokenized by HF `tokenizers`."""
+    from rose import Engine, EngineConfig, RaggedBatch
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    engine = Engine.load(model_dir, EngineConfig(device="cpu"))
+
+    def embed_ids(rows: list[list[int]]) -> np.ndarray:
+        out = []
+        for start in range(0, len(rows), 256):
+            batch = RaggedBatch.from_lists(rows[start : start + 256])
+            out.append(np.asarray(engine.step(batch).wait(), dtype=np.float32))
+        return np.concatenate(out)
+
+    def embed(texts: list[str]) -> np.ndarray:
+        return embed_ids([e.ids for e in tok.encode_batch(texts)])
+
+    embed.ids = lambda texts: [e.ids for e in tok.encode_batch(texts)]  # type: ignore[attr-defined]
+    embed.embed_ids = embed_ids  # type: ignore[attr-defined]
+    return embed
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=1, keepdims=True)
+    return (a * b).sum(axis=1)
+
+
+def decode(data: list[dict], fmt: str) -> np.ndarray:
+    if fmt == "float":
+        return np.array([d["embedding"] for d in data], dtype=np.float32)
+    return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in data])
+
+
+def test_every_input_form_and_format_matches_rose(base: str, name: str, oracle) -> None:  # noqa: ANN001
+    want = oracle(TEXTS)
+    ids = oracle.ids(TEXTS)
+    forms = [(TEXTS[3], want[3:4]), (TEXTS, want), (ids[2], want[2:3]), (ids, want)]
+    with httpx.Client(base_url=base, timeout=60) as client:
+        for value, expected in forms:
+            for fmt in ("float", "base64"):
+                r = client.post(
+                    "/v1/embeddings", json={"model": name, "input": value, "encoding_format": fmt}
+                )
+                assert r.status_code == 200, r.text
+                body = r.json()
+                assert [d["index"] for d in body["data"]] == list(range(len(expected)))
+                got = decode(body["data"], fmt)
+                assert got.shape == expected.shape == (len(expected), 384)
+                assert cosines(got, expected).min() >= COSINE
+                np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-4)
+
+
+def test_prompts_and_dimensions(base: str, name: str, oracle) -> None:  # noqa: ANN001
+    with httpx.Client(base_url=base, timeout=60) as client:
+        r = client.post(
+            "/v1/embeddings",
+            json={"model": name, "input": TEXTS[:2], "input_type": "search_query"},
+        )
+        assert r.status_code == 200, r.text
+        want = oracle(["query: " + t for t in TEXTS[:2]])
+        assert cosines(decode(r.json()["data"], "float"), want).min() >= COSINE
+        r = client.post(
+            "/v1/embeddings", json={"model": name, "input": TEXTS[:2], "dimensions": 64}
+        )
+        assert r.status_code == 200, r.text
+        got = decode(r.json()["data"], "float")
+        full = oracle(TEXTS[:2])[:, :64]
+        assert got.shape == (2, 64)
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-4)
+        assert cosines(got, full).min() >= COSINE
+
+
+def test_openai_client(base: str, name: str, oracle) -> None:  # noqa: ANN001
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    want = oracle(TEXTS)
+    default = client.embeddings.create(model=name, input=TEXTS)  # base64 on the wire
+    as_float = client.embeddings.create(model=name, input=TEXTS, encoding_format="float")
+    for response in (default, as_float):
+        got = np.array([d.embedding for d in response.data], dtype=np.float32)
+        assert cosines(got, want).min() >= COSINE
+        assert response.usage.prompt_tokens == sum(len(i) for i in oracle.ids(TEXTS))
+    single = client.embeddings.create(model=name, input=TEXTS[0])
+    assert cosines(np.array([single.data[0].embedding]), want[:1]).min() >= COSINE
+    from openai import NotFoundError
+
+    with pytest.raises(NotFoundError) as info:
+        client.embeddings.create(model="no-such-model", input="x")
+    assert info.value.code == "model_not_found"
+
+
+def test_cohere_client_rerank(base: str, name: str, oracle) -> None:  # noqa: ANN001
+    import cohere
+
+    docs = [
+        "Protein needs depend on body weight; adult women need about 46 grams a day.",
+        "Summit: the highest point of a hill or mountain.",
+        "Berlin ist die Hauptstadt von Deutschland.",
+    ]
+    query = "how much protein should a female eat"
+    client = cohere.ClientV2(api_key="unused", base_url=base)
+    response = client.rerank(model=name, query=query, documents=docs, top_n=2)
+    q = oracle(["query: " + query])
+    d = oracle(["passage: " + t for t in docs])
+    scores = cosines(d, np.repeat(q, len(docs), axis=0))
+    order = list(np.argsort(-scores))
+    assert [r.index for r in response.results] == order[:2]
+    np.testing.assert_allclose(
+        [r.relevance_score for r in response.results], scores[order[:2]], atol=1e-4
+    )
+    with httpx.Client(base_url=base, timeout=60) as http:  # Jina's shape
+        jina = http.post(
+            "/v1/rerank",
+            json={"model": name, "query": query, "documents": [{"text": t} for t in docs]},
+        ).json()
+    assert [r["index"] for r in jina["results"]] == order
+    assert [r["document"]["text"] for r in jina["results"]] == [docs[i] for i in order]
+    assert jina["usage"]["total_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "param"),
+    [
+        (b'{"model": "M", "input": ', 400, None),
+        (b'{"model": "M", "input": 12.5}', 400, "input"),
+        (b'{"model": "M", "input": ""}', 400, "input"),
+        (b'{"model": "M", "input": []}', 400, "input"),
+        (b'{"model": "M", "input": [' + b",".join([b'"a"'] * 2049) + b"]}", 400, "input"),
+        (b'{"model": "M", "input": "' + b"word " * 2000 + b'"}', 400, "input"),
+        (b'{"model": "nope", "input": "a"}', 404, "model"),
+        (b'{"model": "M", "input": "a", "dimensions": 385}', 400, "dimensions"),
+        (b'{"model": "M", "input": "a", "dimensions": -1}', 400, "dimensions"),
+        (b'{"model": "M", "input": "' + b"a" * (MAX_BODY + 1) + b'"}', 413, None),
+    ],
+)
+def test_bad_inputs_keep_the_worker_serving(
+    base: str, name: str, content: bytes, status: int, param: str | None
+) -> None:
+    content = content.replace(b'"M"', f'"{name}"'.encode())
+    with httpx.Client(base_url=base, timeout=60) as client:
+        r = client.post(
+            "/v1/embeddings", content=content, headers={"content-type": "application/json"}
+        )
+        assert r.status_code == status, r.text[:500]
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["param"] == param
+        ok = client.post("/v1/embeddings", json={"model": name, "input": "still serving"})
+        assert ok.status_code == 200
+
+
+def test_truncate_flag(base: str, name: str, oracle) -> None:  # noqa: ANN001
+    long_text = "word " * 2000
+    with httpx.Client(base_url=base, timeout=60) as client:
+        r = client.post(
+            "/v1/embeddings", json={"model": name, "input": long_text, "truncate": True}
+        )
+    assert r.status_code == 200, r.text
+    ids = oracle.ids([long_text])[0]
+    cut = ids[:511] + [ids[-1]]
+    assert r.json()["usage"]["prompt_tokens"] == 512
+    want = oracle.embed_ids([cut])
+    assert cosines(decode(r.json()["data"], "float"), want).min() >= COSINE
+
+
+def _replica_ok_chunks(metrics: str) -> dict[str, float]:
+    out = {}
+    for m in re.finditer(
+        r'ivy_replica_chunks_total\{model="[^"]+",outcome="OK",replica="([^"]+)"\} ([0-9.e+]+)',
+        metrics,
+    ):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_2048_inputs_split_over_both_replicas_in_order(
+    base: str, name: str, cluster: UpCluster, oracle
+) -> None:  # noqa: ANN001
+    # About 6 tokens each: ~12k tokens, more than one default chunk (8192).
+    texts = [f"doc {i} {TEXTS[i % len(TEXTS)].split()[0]}" for i in range(2048)]
+    with httpx.Client(base_url=base, timeout=300) as client:
+        before = _replica_ok_chunks(client.get("/metrics").text)
+        r = client.post(
+            "/v1/embeddings", json={"model": name, "input": texts, "encoding_format": "base64"}
+        )
+        assert r.status_code == 200, r.text[:500]
+        after = _replica_ok_chunks(client.get("/metrics").text)
+    data = r.json()["data"]
+    assert [d["index"] for d in data] == list(range(2048))
+    got = decode(data, "base64")
+    sample = sorted({0, 1, 2047, *range(3, 2048, 37)})
+    assert cosines(got[sample], oracle([texts[i] for i in sample])).min() >= COSINE
+    for address in cluster.replica_addresses:
+        assert after.get(address, 0) > before.get(address, 0), (before, after)
+
+
+def test_schemathesis_finds_no_server_error(base: str, tmp_path: Path) -> None:
+    st = Path(sys.executable).with_name("st")
+    result = subprocess.run(
+        [
+            str(st),
+            "run",
+            f"{base}/openapi.json",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "8",
+            "--seed",
+            "11",
+            "--generation-database",
+            "none",
+            "--workers",
+            "2",
+            "--request-timeout",
+            "60",
+            "--exclude-path",
+            "/rerank",
+            "--exclude-path",
+            "/v2/rerank",
+            "--no-color",
+            "--report-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def test_killing_a_replica_under_load_loses_no_request(
+    base: str, name: str, cluster: UpCluster
+) -> None:
+    stop = threading.Event()
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def client_loop(seed: int) -> None:
+        with httpx.Client(base_url=base, timeout=120) as client:
+            i = 0
+            while not stop.is_set():
+                batch = [f"client {seed} request {i} item {k}" for k in range(1 + (i % 16))]
+                r = client.post("/v1/embeddings", json={"model": name, "input": batch})
+                with lock:
+                    statuses.append(r.status_code)
+                assert len(r.json()["data"]) == len(batch)
+                i += 1
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        futures = [pool.submit(client_loop, s) for s in range(6)]
+        time.sleep(2.0)
+        os.kill(cluster.replica_pid(cluster.replica_addresses[0]), signal.SIGKILL)
+        time.sleep(3.0)
+        stop.set()
+        for f in futures:
+            f.result()
+    assert len(statuses) > 20
+    assert set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+    with httpx.Client(base_url=base, timeout=60) as client:
+        ready = client.get("/health/ready").json()
+        assert ready["healthy_replicas"][name] >= 1
+        assert (
+            client.post("/v1/embeddings", json={"model": name, "input": "after"}).status_code == 200
+        )

@@ -1,0 +1,535 @@
+"""Ivy over real HTTP and real gRPC, against stand-in replicas.
+
+The stand-in replicas are small gRPC servers defined here whose "embedding" is a fixed
+function of the token ids, so the expected vectors are computed independently of Ivy
+(from HF `tokenizers` output). They let these tests force what real Tulip processes only
+do under stress: refusing work (RESOURCE_EXHAUSTED), going away (UNAVAILABLE), slow calls.
+End-to-end tests with real Tulip processes and real weights are in test_e2e_ivy.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+from ivy.app import create_app
+from ivy.config import IvyConfig
+from protos.trellis.v1 import inference_pb2 as pb
+from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
+from protos.wire import pack_tensor, unpack_token_batch
+
+DIMS = 8
+MAX_TOKENS = 32
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "query:", "passage:"] + [f"w{i}" for i in range(200)]
+
+
+def fake_embedding(ids: np.ndarray) -> np.ndarray:
+    """The stand-in model: a normalized sum of per-id sinusoids."""
+    d = np.arange(1, DIMS + 1, dtype=np.float64)
+    v = np.sin(np.outer(ids.astype(np.float64) + 1.0, d) * 0.37).sum(axis=0)
+    return (v / np.linalg.norm(v)).astype(np.float32)
+
+
+def truncate_renorm(v: np.ndarray, dims: int) -> np.ndarray:
+    v = v[:dims]
+    return v / np.linalg.norm(v)
+
+
+@dataclass
+class StandIn(pb_grpc.InferenceServicer):
+    mode: str = "ok"  # ok | exhausted | unavailable | slow
+    calls: list[int] = field(default_factory=list)  # inputs per call
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _refuse(self, context: grpc.ServicerContext) -> None:
+        if self.mode == "exhausted":
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        if self.mode == "unavailable":
+            context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+        if self.mode == "slow":
+            time.sleep(0.3)
+
+    def Embed(self, request: pb.EmbedRequest, context: grpc.ServicerContext) -> pb.EmbedResponse:
+        self._refuse(context)
+        ids, lengths = unpack_token_batch(request.inputs)
+        with self.lock:
+            self.calls.append(len(lengths))
+        rows, start = [], 0
+        for n in lengths.tolist():
+            v = fake_embedding(ids[start : start + n])
+            rows.append(truncate_renorm(v, request.dimensions) if request.dimensions else v)
+            start += n
+        return pb.EmbedResponse(embeddings=pack_tensor(np.stack(rows)), prompt_tokens=ids.size)
+
+    def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> pb.ScoreResponse:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "embedding model")
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        return pb.InfoResponse(
+            model_name="fake",
+            kind=pb.MODEL_KIND_EMBEDDING,
+            dimensions=DIMS,
+            max_input_tokens=MAX_TOKENS,
+            vocab_size=len(WORDS),
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("fake-model")
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )
+    tok.save(str(path / "tokenizer.json"))
+    (path / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"query": "query: ", "passage": "passage: "}})
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def oracle_tok(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[list[tuple[StandIn, str]]]:
+    out, servers = [], []
+    for _ in range(2):
+        servicer = StandIn()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        pb_grpc.add_InferenceServicer_to_server(servicer, server)
+        health_servicer = health.HealthServicer()
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        out.append((servicer, f"127.0.0.1:{port}"))
+    yield out
+    for server in servers:
+        server.stop(0)
+
+
+class _Server(uvicorn.Server):
+    def install_signal_handlers(self) -> None:  # runs in a thread
+        pass
+
+
+def _serve(config: IvyConfig) -> tuple[_Server, threading.Thread, str]:
+    server = _Server(
+        uvicorn.Config(create_app(config), host="127.0.0.1", port=config.port, log_level="error")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{config.port}"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health/ready", timeout=1).status_code == 200:
+                return server, thread, base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError("ivy did not become ready")
+
+
+@pytest.fixture(scope="module")
+def ivy(model_dir: Path, replicas: list[tuple[StandIn, str]]) -> Iterator[str]:
+    config = IvyConfig(
+        port=free_port(),
+        models={"fake": str(model_dir)},
+        replicas={"fake": tuple(addr for _, addr in replicas)},
+        chunk_tokens=64,
+        max_body_bytes=64 * 1024,
+        health_interval_seconds=0.2,
+    )
+    server, thread, base = _serve(config)
+    yield base
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture()
+def client(ivy: str, replicas: list[tuple[StandIn, str]]) -> Iterator[httpx.Client]:
+    for servicer, _ in replicas:
+        servicer.mode = "ok"
+    with httpx.Client(base_url=ivy, timeout=30) as c:
+        yield c
+    for servicer, _ in replicas:
+        servicer.mode = "ok"
+
+
+def expected(tok: Tokenizer, texts: list[str]) -> np.ndarray:
+    return np.stack([fake_embedding(np.array(tok.encode(t).ids)) for t in texts])
+
+
+def words(i: int, n: int = 5) -> str:
+    return " ".join(f"w{(i * 7 + k) % 200}" for k in range(n))
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    if param is not None:
+        assert body["error"]["param"] == param
+    return body["error"]
+
+
+def test_every_input_form_and_encoding(client: httpx.Client, oracle_tok: Tokenizer) -> None:
+    texts = [words(i) for i in range(5)]
+    want = expected(oracle_tok, texts)
+    ids = [oracle_tok.encode(t).ids for t in texts]
+    cases = [(texts[0], want[:1]), (texts, want), (ids[0], want[:1]), (ids, want)]
+    for value, vectors in cases:
+        for fmt in ("float", "base64"):
+            r = client.post(
+                "/v1/embeddings", json={"input": value, "model": "fake", "encoding_format": fmt}
+            )
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["object"] == "list" and body["model"] == "fake"
+            assert [d["index"] for d in body["data"]] == list(range(len(vectors)))
+            assert all(d["object"] == "embedding" for d in body["data"])
+            if fmt == "float":
+                got = np.array([d["embedding"] for d in body["data"]], dtype=np.float32)
+            else:
+                got = np.stack(
+                    [np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in body["data"]]
+                )
+            np.testing.assert_allclose(got, vectors, rtol=0, atol=1e-6)
+            tokens = sum(len(oracle_tok.encode(t).ids) for t in texts[: len(vectors)])
+            assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def test_input_type_applies_prompts(client: httpx.Client, oracle_tok: Tokenizer) -> None:
+    for input_type, prompt in (("search_query", "query: "), ("search_document", "passage: ")):
+        r = client.post(
+            "/v1/embeddings", json={"input": ["w1 w2"], "model": "fake", "input_type": input_type}
+        )
+        assert r.status_code == 200, r.text
+        got = np.array(r.json()["data"][0]["embedding"], dtype=np.float32)
+        np.testing.assert_allclose(got, expected(oracle_tok, [prompt + "w1 w2"])[0], atol=1e-6)
+
+
+def test_dimensions_truncate_and_renormalize(client: httpx.Client, oracle_tok: Tokenizer) -> None:
+    r = client.post("/v1/embeddings", json={"input": "w3 w4", "model": "fake", "dimensions": 3})
+    assert r.status_code == 200, r.text
+    got = np.array(r.json()["data"][0]["embedding"], dtype=np.float32)
+    np.testing.assert_allclose(
+        got, truncate_renorm(expected(oracle_tok, ["w3 w4"])[0], 3), atol=1e-6
+    )
+    err = assert_error(
+        client.post("/v1/embeddings", json={"input": "w1", "model": "fake", "dimensions": 9}),
+        400,
+        "dimensions",
+    )
+    assert "8" in err["message"]
+
+
+def test_large_request_is_chunked_over_both_replicas_in_order(
+    client: httpx.Client, replicas: list[tuple[StandIn, str]], oracle_tok: Tokenizer
+) -> None:
+    texts = [words(i, 1 + i % 9) for i in range(300)]
+    for servicer, _ in replicas:
+        servicer.calls.clear()
+    r = client.post("/v1/embeddings", json={"input": texts, "model": "fake"})
+    assert r.status_code == 200, r.text
+    got = np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
+    np.testing.assert_allclose(got, expected(oracle_tok, texts), atol=1e-6)
+    per_replica = [sum(s.calls) for s, _ in replicas]
+    assert sum(per_replica) == 300
+    assert all(n > 0 for n in per_replica), per_replica
+    # chunk_tokens=64 and every input has <= 11 tokens: no call carries more than 64 tokens.
+    assert max(max(s.calls) for s, _ in replicas) <= 64 // 3
+    metrics = client.get("/metrics").text
+    for _, address in replicas:
+        assert (
+            f'ivy_replica_chunks_total{{model="fake",outcome="OK",replica="{address}"}}' in metrics
+        )
+
+
+def test_retry_on_other_replica_then_429_then_503(
+    client: httpx.Client, replicas: list[tuple[StandIn, str]]
+) -> None:
+    (a, _), (b, _) = replicas
+    a.mode = "exhausted"
+    for _ in range(6):  # whichever replica is picked first, the other one answers
+        assert (
+            client.post("/v1/embeddings", json={"input": "w1", "model": "fake"}).status_code == 200
+        )
+    b.mode = "exhausted"
+    r = client.post("/v1/embeddings", json={"input": "w1", "model": "fake"})
+    assert_error(r, 429)
+    assert r.headers["retry-after"].isdigit()
+    a.mode = b.mode = "unavailable"
+    assert_error(client.post("/v1/embeddings", json={"input": "w1", "model": "fake"}), 503)
+    a.mode = b.mode = "ok"
+    time.sleep(1.1)  # the replicas were marked suspect after UNAVAILABLE
+    assert client.post("/v1/embeddings", json={"input": "w1", "model": "fake"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"input": 5, "model": "fake"}, 400, "input"),
+        ({"input": [1.5], "model": "fake"}, 400, "input"),
+        ({"input": [True], "model": "fake"}, 400, "input"),
+        ({"input": ["w1", 2], "model": "fake"}, 400, "input"),
+        ({"input": "w1", "model": 3}, 400, "model"),
+        ({"model": "fake"}, 400, "input"),
+        ({"input": "", "model": "fake"}, 400, "input"),
+        ({"input": [], "model": "fake"}, 400, "input"),
+        ({"input": [""], "model": "fake"}, 400, "input"),
+        ({"input": [[]], "model": "fake"}, 400, "input"),
+        ({"input": ["w1"] * 2049, "model": "fake"}, 400, "input"),
+        ({"input": " ".join(["w1"] * 40), "model": "fake"}, 400, "input"),
+        ({"input": [[5] * 40], "model": "fake"}, 400, "input"),
+        ({"input": [[100000]], "model": "fake"}, 400, "input"),
+        ({"input": "w1", "model": "fake", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"input": "w1", "model": "fake", "dimensions": 0}, 400, "dimensions"),
+        ({"input": "w1", "model": "fake", "dimensions": "4"}, 400, "dimensions"),
+        ({"input": "w1", "model": "nope"}, 404, "model"),
+    ],
+)
+def test_bad_inputs(client: httpx.Client, body: dict, status: int, param: str) -> None:
+    err = assert_error(client.post("/v1/embeddings", json=body), status, param)
+    if status == 404:
+        assert err["code"] == "model_not_found"
+    assert client.post("/v1/embeddings", json={"input": "w1", "model": "fake"}).status_code == 200
+
+
+def test_truncate_flag(client: httpx.Client, oracle_tok: Tokenizer) -> None:
+    long_text = " ".join(f"w{i}" for i in range(40))
+    r = client.post("/v1/embeddings", json={"input": long_text, "model": "fake", "truncate": True})
+    assert r.status_code == 200, r.text
+    ids = oracle_tok.encode(long_text).ids
+    want_ids = ids[: MAX_TOKENS - 1] + [3]  # cut, then the closing [SEP] is kept
+    got = np.array(r.json()["data"][0]["embedding"], dtype=np.float32)
+    np.testing.assert_allclose(got, fake_embedding(np.array(want_ids)), atol=1e-6)
+    assert r.json()["usage"]["prompt_tokens"] == MAX_TOKENS
+
+
+def test_invalid_json_and_body_limit(client: httpx.Client) -> None:
+    bad = client.post(
+        "/v1/embeddings", content=b'{"input": "w1", ', headers={"content-type": "application/json"}
+    )
+    assert_error(bad, 400)
+    assert_error(client.post("/v1/embeddings", content=b"[1, 2]"), 400)
+    huge = {"input": ["w1 " * 1000] * 30, "model": "fake"}
+    assert_error(client.post("/v1/embeddings", json=huge), 413)
+    assert client.post("/v1/embeddings", json={"input": "w1", "model": "fake"}).status_code == 200
+
+
+def test_models_tokenize_health_and_openapi(client: httpx.Client, oracle_tok: Tokenizer) -> None:
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["fake"]
+    r = client.post("/tokenize", json={"model": "fake", "input": ["w1 w22", "w3"]})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    enc = oracle_tok.encode("w1 w22")
+    assert data[0]["ids"] == enc.ids
+    assert [tuple(o) for o in data[0]["offsets"]] == list(enc.offsets)
+    assert client.get("/health/live").status_code == 200
+    assert client.get("/health/ready").json()["status"] == "ready"
+    spec = client.get("/openapi.json").json()
+    body = spec["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"] == "#/components/schemas/EmbeddingRequest"
+    fields = spec["components"]["schemas"]["EmbeddingRequest"]["properties"]
+    assert {"input", "model", "encoding_format", "dimensions", "user", "input_type"} <= set(fields)
+    assert "/v1/rerank" in spec["paths"]
+    assert_error(client.get("/nope"), 404)
+
+
+def test_rerank_with_embedding_model(client: httpx.Client, oracle_tok: Tokenizer) -> None:
+    docs = ["w1 w2", "w5 w6 w7", "w1"]
+    r = client.post(
+        "/v1/rerank",
+        json={
+            "model": "fake",
+            "query": "w1 w2",
+            "documents": [docs[0], {"text": docs[1]}, docs[2]],
+        },
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    q = expected(oracle_tok, ["query: w1 w2"])[0]
+    d = expected(oracle_tok, ["passage: " + t for t in docs])
+    scores = d @ q
+    assert [x["index"] for x in body["results"]] == list(np.argsort(-scores))
+    np.testing.assert_allclose(
+        [x["relevance_score"] for x in body["results"]], np.sort(scores)[::-1], atol=1e-5
+    )
+    assert body["results"][0]["document"] == {"text": docs[int(np.argmax(scores))]}
+    top = client.post(
+        "/v2/rerank",
+        json={
+            "model": "fake",
+            "query": "w1",
+            "documents": docs,
+            "top_n": 1,
+            "return_documents": False,
+        },
+    ).json()
+    assert len(top["results"]) == 1 and "document" not in top["results"][0]
+    # max_tokens_per_doc counts document tokens only (regression: 1 used to fail with 500).
+    one = client.post(
+        "/rerank",
+        json={"model": "fake", "query": "w1", "documents": ["w5 w6 w7"], "max_tokens_per_doc": 1},
+    )
+    assert one.status_code == 200, one.text
+    cut = expected(oracle_tok, ["passage: w5"])[0] @ expected(oracle_tok, ["query: w1"])[0]
+    assert one.json()["results"][0]["relevance_score"] == pytest.approx(float(cut), abs=1e-5)
+
+
+def test_api_keys(model_dir: Path, replicas: list[tuple[StandIn, str]]) -> None:
+    keys = model_dir / "keys.txt"
+    keys.write_text("# keys\nsecret-one\n")
+    config = IvyConfig(
+        port=free_port(),
+        models={"fake": str(model_dir)},
+        replicas={"fake": tuple(a for _, a in replicas)},
+        api_keys_file=str(keys),
+        api_keys=("secret-two",),
+    )
+    server, thread, base = _serve(config)
+    try:
+        body = {"input": "w1", "model": "fake"}
+        err = assert_error(httpx.post(f"{base}/v1/embeddings", json=body), 401)
+        assert err["code"] == "invalid_api_key"
+        wrong = {"Authorization": "Bearer nope"}
+        assert_error(httpx.post(f"{base}/v1/embeddings", json=body, headers=wrong), 401)
+        for key in ("secret-one", "secret-two"):
+            ok = httpx.post(
+                f"{base}/v1/embeddings", json=body, headers={"Authorization": f"Bearer {key}"}
+            )
+            assert ok.status_code == 200, ok.text
+        assert httpx.get(f"{base}/health/ready").status_code == 200
+        assert httpx.get(f"{base}/metrics").status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_schemathesis_finds_no_server_error(ivy: str, tmp_path: Path) -> None:
+    """Property-based requests generated from /openapi.json (valid and invalid bodies)."""
+    st = Path(sys.executable).with_name("st")
+    result = subprocess.run(
+        [
+            str(st),
+            "run",
+            f"{ivy}/openapi.json",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "40",
+            "--seed",
+            "7",
+            "--generation-database",
+            "none",
+            "--workers",
+            "2",
+            "--exclude-path",
+            "/rerank",
+            "--exclude-path",
+            "/v2/rerank",
+            "--no-color",
+            "--report-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def test_python_m_ivy_with_two_workers_serves_and_stops_on_sigterm(
+    model_dir: Path, replicas: list[tuple[StandIn, str]], oracle_tok: Tokenizer
+) -> None:
+    port = free_port()
+    env = dict(os.environ, IVY_REPLICAS="fake=" + ",".join(a for _, a in replicas))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ivy", "--port", str(port), "--workers", "2"]
+        + ["--model", f"fake={model_dir}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
+            try:
+                if httpx.get(f"{base}/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        with httpx.Client(base_url=base, timeout=30) as client:
+            for i in range(20):
+                r = client.post("/v1/embeddings", json={"input": words(i), "model": "fake"})
+                assert r.status_code == 200, r.text
+                got = np.array(r.json()["data"][0]["embedding"], dtype=np.float32)
+                np.testing.assert_allclose(got, expected(oracle_tok, [words(i)])[0], atol=1e-6)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+    assert code == 0, proc.stdout.read().decode()  # type: ignore[union-attr]
+
+
+def test_replicas_from_dns_name(
+    model_dir: Path, replicas: list[tuple[StandIn, str]], oracle_tok: Tokenizer
+) -> None:
+    """`--replicas-dns`: the name is resolved (and re-resolved) into replica addresses."""
+    port = replicas[0][1].rpartition(":")[2]
+    config = IvyConfig(
+        port=free_port(),
+        models={"fake": str(model_dir)},
+        replicas_dns={"fake": f"localhost:{port}"},
+        dns_refresh_seconds=0.2,
+    )
+    server, thread, base = _serve(config)
+    try:
+        r = httpx.post(f"{base}/v1/embeddings", json={"input": "w9", "model": "fake"})
+        assert r.status_code == 200, r.text
+        got = np.array(r.json()["data"][0]["embedding"], dtype=np.float32)
+        np.testing.assert_allclose(got, expected(oracle_tok, ["w9"])[0], atol=1e-6)
+        metrics = httpx.get(f"{base}/metrics").text
+        assert f'replica="127.0.0.1:{port}"' in metrics
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -1,0 +1,99 @@
+"""Ivy's tokenizer adapter: the Rust tokenizer for Unigram files, HF `tokenizers` for the
+rest, and both backends giving the same packed ids, lengths and truncation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from ivy.tokenization import HFTokenizer, TokenizationError, load_tokenizer
+
+TEXTS = [
+    "Hello, my dog is cute",
+    "word " * 700,
+    "東京は日本の首都です。" * 40,
+    "Как пройти в библиотеку?",
+    " leading and  double  spaces ",
+]
+
+
+@pytest.fixture(scope="module")
+def xlmr() -> Path:
+    from rose.assets import ensure_model
+
+    return Path(ensure_model("xlmr-tokenizer")) / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def minilm() -> Path:
+    from rose.assets import ensure_model
+
+    return Path(ensure_model("all-minilm-l6-v2")) / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def loaded(xlmr: Path, minilm: Path) -> dict[Path, list]:
+    """path -> [adapter picked by load_tokenizer, HF adapter, reference HF tokenizer]."""
+    return {
+        p: [load_tokenizer(p), HFTokenizer(p), Tokenizer.from_file(str(p))] for p in (xlmr, minilm)
+    }
+
+
+def reference(tok: Tokenizer, texts: list[str], max_length: int | None) -> list[list[int]]:
+    tok.no_padding()
+    if max_length is None:
+        tok.no_truncation()
+    else:
+        tok.enable_truncation(max_length)
+    return [e.ids for e in tok.encode_batch(texts)]
+
+
+def unpack(ids: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
+    bounds = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64))).tolist()
+    return [ids[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def test_unigram_file_uses_rust_and_wordpiece_falls_back(
+    xlmr: Path, minilm: Path, loaded: dict[Path, list]
+) -> None:
+    assert loaded[xlmr][0].backend == "rust"
+    assert loaded[minilm][0].backend == "huggingface"
+
+
+@pytest.mark.parametrize("max_length", [None, 8, 512])
+def test_packed_batches_equal_reference(loaded: dict[Path, list], max_length: int | None) -> None:
+    for path, (picked, hf, ref) in loaded.items():
+        want = reference(ref, TEXTS, max_length)
+        for tok in (picked, hf):
+            ids, lengths = tok.encode_batch_packed(TEXTS, True, max_length)
+            assert ids.dtype == np.uint32 and lengths.dtype == np.uint32
+            assert unpack(ids, lengths) == want, (path, tok.backend)
+
+
+def test_pairs_truncate_only_the_document(xlmr: Path, loaded: dict[Path, list]) -> None:
+    rust, hf, ref = loaded[xlmr]
+    for tok in (rust, hf):
+        ids, lengths, first = tok.encode_pairs_packed("how do plants grow", TEXTS, 64)
+        rows = unpack(ids, lengths)
+        assert max(len(r) for r in rows) == 64
+        query = ref.encode("how do plants grow").ids
+        for row in rows:
+            assert row[: len(query)] == query  # the query is never cut
+        assert first.shape == lengths.shape
+    a, b = rust.encode_pairs_packed("q", TEXTS, 64), hf.encode_pairs_packed("q", TEXTS, 64)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+def test_offsets_and_errors(xlmr: Path, loaded: dict[Path, list]) -> None:
+    text = "héllo wörld"
+    picked, hf, ref_tok = loaded[xlmr]
+    ref = ref_tok.encode(text)
+    for tok in (picked, hf):
+        ids, offsets = tok.encode_with_offsets(text)
+        assert ids == ref.ids
+        assert offsets == [tuple(o) for o in ref.offsets]
+        with pytest.raises(TokenizationError):
+            tok.encode_batch_packed(["a b c"], True, 1)
