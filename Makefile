@@ -15,13 +15,14 @@ TEST_MODELS := xlmr-tokenizer multilingual-e5-small all-minilm-l6-v2 smollm2-135
 RUN_MODEL ?= multilingual-e5-small
 PYTEST_ARGS ?=
 
-.PHONY: help install models run test test-python test-rust lint fmt bench protos clean
+.PHONY: help install models run test test-python test-rust lint fmt bench deploy-check protos clean
 
 help:
 	@echo "make run     install, pull $(RUN_MODEL) and start a local cluster (Ivy on :8000)"
 	@echo "make test    install and run every test (pytest + cargo test)"
 	@echo "make lint    ruff, cargo fmt --check, cargo clippy -D warnings"
 	@echo "make bench   run the benchmarks (results in bench/results/)"
+	@echo "make deploy-check  render and validate deploy/ (kustomize, compose, hadolint)"
 	@echo "make protos  regenerate the gRPC stubs from protos/"
 	@echo "make clean   remove the virtual environment and build outputs"
 
@@ -64,6 +65,9 @@ fmt: install
 
 bench: models
 	$(BIN)/python -m bench
+
+deploy-check: install
+	$(BIN)/python -m deploy.check
 
 protos: install
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. protos/trellis/v1/inference.proto
