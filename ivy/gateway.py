@@ -31,11 +31,13 @@ _DEFAULT_MAX_TOKENS_PER_DOC = 4096
 class Timings:
     tokenize_s: float = 0.0
     inference_s: float = 0.0
+    replica_s: float = 0.0  # as the replicas report it (queue + inference)
     chunks: int = 0
 
     def header(self) -> str:
         return (
             f"tokenize;dur={self.tokenize_s * 1e3:.3f}, inference;dur={self.inference_s * 1e3:.3f}"
+            f", replica;dur={self.replica_s * 1e3:.3f}"
         )
 
 
@@ -140,7 +142,7 @@ class Gateway:
             ids, lengths = _pack_ids(rows, spec.vocab_size, spec.max_input_tokens, req.truncate)
         timings.tokenize_s = time.perf_counter() - t0
         t1 = time.perf_counter()
-        vectors, timings.chunks = await self.router.embed(
+        vectors, timings.chunks, timings.replica_s = await self.router.embed(
             req.model, ids, lengths, dimensions=req.dimensions or 0, deadline=deadline
         )
         timings.inference_s = time.perf_counter() - t1
@@ -186,7 +188,7 @@ class Gateway:
             )
             timings.tokenize_s = time.perf_counter() - t0
             t1 = time.perf_counter()
-            raw, timings.chunks = await self.router.score(
+            raw, timings.chunks, timings.replica_s = await self.router.score(
                 req.model, ids, lengths, first, deadline=deadline
             )
             timings.inference_s = time.perf_counter() - t1
@@ -204,7 +206,7 @@ class Gateway:
             lengths = np.concatenate((q_len, d_len))
             timings.tokenize_s = time.perf_counter() - t0
             t1 = time.perf_counter()
-            vectors, timings.chunks = await self.router.embed(
+            vectors, timings.chunks, timings.replica_s = await self.router.embed(
                 req.model, ids, lengths, dimensions=0, deadline=deadline
             )
             timings.inference_s = time.perf_counter() - t1

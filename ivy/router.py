@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -74,9 +76,11 @@ class Router:
         *,
         dimensions: int,
         deadline: float,
-    ) -> tuple[np.ndarray, int]:
-        """Embeddings [inputs, dims] float32 in input order, and the chunk count."""
+    ) -> tuple[np.ndarray, int, float]:
+        """Embeddings [inputs, dims] float32 in input order, the chunk count and the
+        replicas' own time (queue + inference, seconds; the slowest chunk)."""
         chunks = split_chunks(lengths, self.chunk_tokens)
+        replica_us: list[int] = []
 
         async def one(chunk: Chunk) -> np.ndarray:
             request = pb.EmbedRequest(
@@ -86,10 +90,12 @@ class Router:
                 dimensions=dimensions,
             )
             response = await self._call(model, "Embed", request, chunk.tokens, deadline)
+            replica_us.append(response.timing.queue_us + response.timing.inference_us)
             return unpack_tensor(response.embeddings)
 
-        parts = await _gather(one(c) for c in chunks)
-        return (np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]), len(chunks)
+        parts = await _gather([one(c) for c in chunks])
+        vectors = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+        return vectors, len(chunks), max(replica_us, default=0) / 1e6
 
     async def score(
         self,
@@ -99,9 +105,11 @@ class Router:
         first_segment_lengths: np.ndarray,
         *,
         deadline: float,
-    ) -> tuple[np.ndarray, int]:
-        """Pair scores [pairs, num_labels] in input order, and the chunk count."""
+    ) -> tuple[np.ndarray, int, float]:
+        """Pair scores [pairs, num_labels] in input order, the chunk count and the
+        replicas' own time (seconds, the slowest chunk)."""
         chunks = split_chunks(lengths, self.chunk_tokens)
+        replica_us: list[int] = []
 
         async def one(chunk: Chunk) -> np.ndarray:
             request = pb.ScoreRequest(
@@ -113,10 +121,12 @@ class Router:
                 ],
             )
             response = await self._call(model, "Score", request, chunk.tokens, deadline)
+            replica_us.append(response.timing.queue_us + response.timing.inference_us)
             return unpack_tensor(response.scores)
 
-        parts = await _gather(one(c) for c in chunks)
-        return (np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]), len(chunks)
+        parts = await _gather([one(c) for c in chunks])
+        scores = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+        return scores, len(chunks), max(replica_us, default=0) / 1e6
 
     async def _call(
         self, model: str, method: str, request: object, tokens: int, deadline: float
@@ -164,11 +174,12 @@ def _translate(exc: grpc.aio.AioRpcError) -> IvyError:
     return UpstreamError(f"A replica failed: {code.name}: {exc.details()}")
 
 
-async def _gather(coros: object) -> list[np.ndarray]:
+async def _gather(coros: list[Coroutine[Any, Any, np.ndarray]]) -> list[np.ndarray]:
     """Run all, cancel the rest on the first failure, re-raise it."""
-    tasks = [asyncio.ensure_future(c) for c in coros]  # type: ignore[attr-defined]
-    if len(tasks) == 1:
-        return [await tasks[0]]
+    if len(coros) == 1:
+        # One chunk (the common case): no task to schedule, await it in place.
+        return [await coros[0]]
+    tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:

@@ -78,7 +78,11 @@ class StandIn(pb_grpc.InferenceServicer):
             v = fake_embedding(ids[start : start + n])
             rows.append(truncate_renorm(v, request.dimensions) if request.dimensions else v)
             start += n
-        return pb.EmbedResponse(embeddings=pack_tensor(np.stack(rows)), prompt_tokens=ids.size)
+        return pb.EmbedResponse(
+            embeddings=pack_tensor(np.stack(rows)),
+            prompt_tokens=ids.size,
+            timing=pb.Timing(queue_us=250, inference_us=1500 * len(lengths)),
+        )
 
     def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> pb.ScoreResponse:
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "embedding model")
@@ -232,6 +236,22 @@ def test_every_input_form_and_encoding(client: httpx.Client, oracle_tok: Tokeniz
             np.testing.assert_allclose(got, vectors, rtol=0, atol=1e-6)
             tokens = sum(len(oracle_tok.encode(t).ids) for t in texts[: len(vectors)])
             assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def test_server_timing_relays_the_slowest_replica_time(client: httpx.Client) -> None:
+    def replica_ms(body: dict) -> float:
+        r = client.post("/v1/embeddings", json={"model": "fake", **body})
+        assert r.status_code == 200, r.text
+        parts = dict(p.strip().split(";dur=") for p in r.headers["server-timing"].split(","))
+        assert set(parts) == {"tokenize", "inference", "replica"}
+        assert float(parts["inference"]) >= 0
+        return float(parts["replica"])
+
+    # One input: queue 0.25 ms + 1.5 ms. Many inputs in several chunks (64-token
+    # chunks here): the slowest chunk, not the sum.
+    assert replica_ms({"input": words(0)}) == pytest.approx(1.75)
+    many = [[5] * 30 for _ in range(8)]  # 240 tokens: chunks of 2 rows each
+    assert replica_ms({"input": many}) == pytest.approx(0.25 + 1.5 * 2)
 
 
 def test_input_type_applies_prompts(client: httpx.Client, oracle_tok: Tokenizer) -> None:

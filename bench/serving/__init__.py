@@ -3,10 +3,14 @@ sentence-transformers (the floor without serving) and Infinity (`infinity-emb`, 
 its own virtual environment so it never pins this project's dependencies).
 
     python -m bench serving [--quick] [--infinity-venv DIR] [--skip-infinity]
+    python -m bench serving --latency-only [--threads N]   # only the equal-threads table
 
 Tables (CPU, multilingual-e5-small, one run): (1) latency at batch 1 x 128/512 tokens;
 (2) rerank of 5/25/50 documents x 512 tokens; (3) embeddings/s with request batch 100 x 512
-tokens and 4 concurrent clients; (4) latency with 1..16 concurrent single-input clients.
+tokens and 4 concurrent clients; (4) latency with 1..16 concurrent single-input clients;
+(5) Ivy's added latency at equal torch threads: one Tulip replica with N threads against
+in-process ROSE with N threads, requests interleaved, plus Ivy's own share of each request
+(wall time minus the replica-reported queue + inference time from ``Server-Timing``).
 Every served answer is checked against the in-process ROSE embedding (cosine >= 0.999),
 so a fast but wrong run fails. Results: bench/results/serving.md (+ serving_*.png).
 """
@@ -140,6 +144,75 @@ def ivy_cluster(model: str) -> Iterator[Http]:
         yield Http(cluster.base_url, "/v1/embeddings", cluster.name)
     finally:
         cluster.stop()
+
+
+def _server_timing(header: str, name: str) -> float:
+    """Seconds of metric ``name`` in a ``Server-Timing`` header (0 when absent)."""
+    for part in header.split(","):
+        key, _, rest = part.strip().partition(";dur=")
+        if key == name:
+            return float(rest) / 1e3
+    return 0.0
+
+
+def fair_latency(
+    model_dir: Path,
+    rose_embed: Callable[[list[str]], np.ndarray],
+    text: str,
+    threads: int,
+    n: int,
+) -> list[Row]:
+    """Ivy + 1 replica x ``threads`` vs in-process ROSE x ``threads``, interleaved requests."""
+    import httpx
+    import torch
+
+    from ivy.cluster import Cluster, ClusterConfig, free_port
+
+    torch.set_num_threads(threads)
+    config = ClusterConfig(
+        model=str(model_dir),
+        replicas=1,
+        threads_per_replica=threads,
+        port=free_port(),
+        drain_seconds=1,
+    )
+    cluster = Cluster(config)
+    cluster.start()
+    rose_s: list[float] = []
+    ivy_s: list[float] = []
+    replica_s: list[float] = []
+    try:
+        cluster.wait_ready()
+        body = {"model": cluster.name, "input": [text], "encoding_format": "float"}
+        want = rose_embed([text])[0]
+        with httpx.Client(base_url=cluster.base_url, timeout=600) as client:
+            for i in range(n + 5):  # the first 5 of each are warm-up
+                t0 = time.perf_counter()
+                r = client.post("/v1/embeddings", json=body)
+                t1 = time.perf_counter()
+                r.raise_for_status()
+                rose_embed([text])
+                t2 = time.perf_counter()
+                got = np.array(r.json()["data"][0]["embedding"], dtype=np.float32)
+                if cos(got, want) < 0.999:
+                    raise RuntimeError(f"ivy: wrong embedding (cosine {cos(got, want):.5f})")
+                if i >= 5:
+                    ivy_s.append(t1 - t0)
+                    rose_s.append(t2 - t1)
+                    replica_s.append(_server_timing(r.headers["server-timing"], "replica"))
+    finally:
+        cluster.stop()
+    own = [a - b for a, b in zip(ivy_s, replica_s, strict=True)]
+    tag = f"{threads} thread{'s' if threads > 1 else ''}"
+    return [
+        Row(f"rose in-process ({tag})", {"tokens": 128, **percentiles(rose_s)}),
+        Row(f"ivy, 1 tulip replica ({tag})", {"tokens": 128, **percentiles(ivy_s)}),
+        Row(
+            "of which tulip-reported queue + inference",
+            {"tokens": 128, **percentiles(replica_s)},
+        ),
+        Row("ivy wall - tulip-reported (per request)", {"tokens": 128, **percentiles(own)}),
+    ]
 
 
 @contextlib.contextmanager
@@ -321,15 +394,43 @@ def run(args: argparse.Namespace) -> int:
         systems["infinity"] = lambda: infinity_server(venv, model_dir)
 
     tables: dict[str, list[Row]] = {
-        k: [] for k in ("latency", "rerank", "throughput", "concurrency")
+        k: [] for k in ("latency", "rerank", "throughput", "concurrency", "fair_latency")
     }
+    previous = RESULTS / "serving.json"
+    if args.latency_only:
+        # Only table (5); every other table is kept from the previous run.
+        if previous.exists():
+            for key, rows in json.loads(previous.read_text()).items():
+                tables[key] = [Row(r["system"], r["values"]) for r in rows]
+        tables["fair_latency"] = fair_latency(
+            model_dir, rose_embed, t128[0], args.threads, plan.latency_requests
+        )
+        # Keep the previous run's header (its machine notes describe tables 1-4).
+        md_path = RESULTS / "serving.md"
+        header = None
+        if md_path.exists():
+            old = md_path.read_text(encoding="utf-8").splitlines()
+            cut = next((i for i, line in enumerate(old) if line.startswith("## ")), len(old))
+            header = [line for line in old[:cut] if not line.startswith("Table (5):")]
+            while header and not header[-1]:
+                header.pop()
+            load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+            stamp = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+            header += [
+                "",
+                f"Table (5): re-run alone (`--latency-only`, {plan.latency_requests} requests "
+                f"per side) at {stamp} UTC, load average at end {load}; the other tables "
+                "are from the run described above.",
+                "",
+            ]
+        write_results(tables, infinity_note, plan, torch.__version__, header=header)
+        return 0
     if args.only:
         # Re-run some systems, keeping the other systems' rows of the previous run.
         unknown = set(args.only) - set(systems)
         if unknown:
             print(f"unknown systems {sorted(unknown)}; known: {sorted(systems)}")
             return 2
-        previous = RESULTS / "serving.json"
         if previous.exists():
             for key, rows in json.loads(previous.read_text()).items():
                 tables[key] = [
@@ -350,6 +451,11 @@ def run(args: argparse.Namespace) -> int:
                 return 1
         # Rewritten after each system so a long run leaves its finished tables behind.
         write_results(tables, infinity_note, plan, torch.__version__, quiet=True)
+    if not args.only:
+        print(f"-- equal threads ({args.threads})", flush=True)
+        tables["fair_latency"] = fair_latency(
+            model_dir, rose_embed, t128[0], args.threads, plan.latency_requests
+        )
     write_results(tables, infinity_note, plan, torch.__version__)
     return 0
 
@@ -359,7 +465,12 @@ def _fmt(v: float | str) -> str:
 
 
 def write_results(
-    tables: dict[str, list[Row]], note: str, plan: Plan, torch_version: str, quiet: bool = False
+    tables: dict[str, list[Row]],
+    note: str,
+    plan: Plan,
+    torch_version: str,
+    quiet: bool = False,
+    header: list[str] | None = None,
 ) -> None:
     import importlib.metadata as md
 
@@ -382,11 +493,15 @@ def write_results(
         "compare rows of one run only.",
         "",
     ]
+    if header is not None:
+        lines = header
     titles = {
         "latency": "(1) Latency, batch 1",
         "rerank": "(2) Rerank, documents x 512 tokens (in-process rows: embed query + documents)",
         "throughput": "(3) Throughput, request batch 100 x 512 tokens, 4 concurrent clients",
         "concurrency": "(4) Latency with concurrent single-input clients (128 tokens)",
+        "fair_latency": "(5) Ivy added latency at equal torch threads, batch 1 x 128 tokens "
+        "(requests interleaved with the in-process ones)",
     }
     for key, rows in tables.items():
         if not rows:
@@ -412,13 +527,27 @@ def write_results(
 
 def ratios(tables: dict[str, list[Row]]) -> list[str]:
     out = ["## Bars", ""]
+    fair = {r.system: float(r.values["p50 ms"]) for r in tables.get("fair_latency", [])}
+    rose_fair = [v for k, v in fair.items() if k.startswith("rose in-process")]
+    ivy_fair = [v for k, v in fair.items() if k.startswith("ivy, 1 tulip")]
+    own = [v for k, v in fair.items() if "ivy wall - tulip" in k]
+    if rose_fair and ivy_fair:
+        out.append(
+            "- Ivy added latency at batch 1 x 128 tokens, equal threads (p50 Ivy - p50 "
+            f"in-process): {ivy_fair[0] - rose_fair[0]:.2f} ms (bar: <= 2 ms)"
+        )
+    if own:
+        out.append(
+            f"- Ivy's own share per request (p50 of wall - Tulip-reported time): {own[0]:.2f} ms"
+        )
     lat = {(r.system, r.values["tokens"]): r.values["p50 ms"] for r in tables["latency"]}
     ivy = lat.get(("ivy (2 tulip replicas)", 128))
     rose = lat.get(("rose in-process", 128))
     if ivy is not None and rose is not None:
         added = float(ivy) - float(rose)
         out.append(
-            f"- Ivy added latency at batch 1 x 128 tokens (p50): {added:.2f} ms (bar: <= 2 ms)"
+            f"- Table (1) difference at batch 1 x 128 tokens (p50): {added:.2f} ms — unequal "
+            "threads (2 replicas x cores/2 vs all cores in-process); the bar is judged on (5)"
         )
     thr = {r.system: float(r.values["embeddings/s"]) for r in tables["throughput"]}
     if "ivy (2 tulip replicas)" in thr:
@@ -470,6 +599,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument("--infinity-venv", default="~/.cache/trellis/bench-venvs/infinity")
     parser.add_argument("--skip-infinity", action="store_true")
+    parser.add_argument(
+        "--latency-only",
+        action="store_true",
+        help="re-run only table (5), keeping the other tables of the previous run",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads on both sides of table (5)"
+    )
     parser.add_argument(
         "--only", action="append", metavar="SYSTEM", help="re-run only this system (repeatable)"
     )
