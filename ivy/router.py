@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,10 @@ def split_chunks(lengths: np.ndarray, chunk_tokens: int) -> list[Chunk]:
     return chunks
 
 
+# The response field that carries each method's result rows.
+_RESULT_FIELD = {"Embed": "embeddings", "Score": "scores"}
+
+
 class Router:
     """Sends work for one worker to the pools of its served models."""
 
@@ -79,23 +83,16 @@ class Router:
     ) -> tuple[np.ndarray, int, float]:
         """Embeddings [inputs, dims] float32 in input order, the chunk count and the
         replicas' own time (queue + inference, seconds; the slowest chunk)."""
-        chunks = split_chunks(lengths, self.chunk_tokens)
-        replica_us: list[int] = []
 
-        async def one(chunk: Chunk) -> np.ndarray:
-            request = pb.EmbedRequest(
+        def request(chunk: Chunk) -> pb.EmbedRequest:
+            return pb.EmbedRequest(
                 inputs=pack_token_batch(
                     ids[chunk.token_start : chunk.token_stop], lengths[chunk.start : chunk.stop]
                 ),
                 dimensions=dimensions,
             )
-            response = await self._call(model, "Embed", request, chunk.tokens, deadline)
-            replica_us.append(response.timing.queue_us + response.timing.inference_us)
-            return unpack_tensor(response.embeddings)
 
-        parts = await _gather([one(c) for c in chunks])
-        vectors = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-        return vectors, len(chunks), max(replica_us, default=0) / 1e6
+        return await self._fan_out(model, "Embed", lengths, request, deadline)
 
     async def score(
         self,
@@ -108,11 +105,9 @@ class Router:
     ) -> tuple[np.ndarray, int, float]:
         """Pair scores [pairs, num_labels] in input order, the chunk count and the
         replicas' own time (seconds, the slowest chunk)."""
-        chunks = split_chunks(lengths, self.chunk_tokens)
-        replica_us: list[int] = []
 
-        async def one(chunk: Chunk) -> np.ndarray:
-            request = pb.ScoreRequest(
+        def request(chunk: Chunk) -> pb.ScoreRequest:
+            return pb.ScoreRequest(
                 pairs=pack_token_batch(
                     ids[chunk.token_start : chunk.token_stop], lengths[chunk.start : chunk.stop]
                 ),
@@ -120,13 +115,30 @@ class Router:
                     int(x) for x in first_segment_lengths[chunk.start : chunk.stop]
                 ],
             )
-            response = await self._call(model, "Score", request, chunk.tokens, deadline)
+
+        return await self._fan_out(model, "Score", lengths, request, deadline)
+
+    async def _fan_out(
+        self,
+        model: str,
+        method: str,
+        lengths: np.ndarray,
+        make_request: Callable[[Chunk], pb.EmbedRequest | pb.ScoreRequest],
+        deadline: float,
+    ) -> tuple[np.ndarray, int, float]:
+        """Split into chunks, send them concurrently, and reassemble the result rows in
+        input order; also the chunk count and the slowest chunk's replica time (s)."""
+        chunks = split_chunks(lengths, self.chunk_tokens)
+        replica_us: list[int] = []
+
+        async def one(chunk: Chunk) -> np.ndarray:
+            response = await self._call(model, method, make_request(chunk), chunk.tokens, deadline)
             replica_us.append(response.timing.queue_us + response.timing.inference_us)
-            return unpack_tensor(response.scores)
+            return unpack_tensor(getattr(response, _RESULT_FIELD[method]))
 
         parts = await _gather([one(c) for c in chunks])
-        scores = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-        return scores, len(chunks), max(replica_us, default=0) / 1e6
+        rows = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+        return rows, len(chunks), max(replica_us, default=0) / 1e6
 
     async def _call(
         self, model: str, method: str, request: object, tokens: int, deadline: float
