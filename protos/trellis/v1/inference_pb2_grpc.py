@@ -49,6 +49,11 @@ class InferenceStub:
                 request_serializer=protos_dot_trellis_dot_v1_dot_inference__pb2.InfoRequest.SerializeToString,
                 response_deserializer=protos_dot_trellis_dot_v1_dot_inference__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/trellis.v1.Inference/Generate',
+                request_serializer=protos_dot_trellis_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=protos_dot_trellis_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -70,7 +75,15 @@ class InferenceServicer:
 
     def Info(self, request, context):
         """What the server serves.
-        Reserved for generation: rpc Generate(GenerateRequest) returns (stream GenerateResponse);
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Generate(self, request, context):
+        """Generated tokens for one prompt, streamed as they are produced. The last message
+        carries `finish_reason` and `usage`. Cancelling the call aborts the sequence and
+        frees its cache pages.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +106,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=protos_dot_trellis_dot_v1_dot_inference__pb2.InfoRequest.FromString,
                     response_serializer=protos_dot_trellis_dot_v1_dot_inference__pb2.InfoResponse.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=protos_dot_trellis_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
+                    response_serializer=protos_dot_trellis_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +194,33 @@ class Inference:
             '/trellis.v1.Inference/Info',
             protos_dot_trellis_dot_v1_dot_inference__pb2.InfoRequest.SerializeToString,
             protos_dot_trellis_dot_v1_dot_inference__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/trellis.v1.Inference/Generate',
+            protos_dot_trellis_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
+            protos_dot_trellis_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
