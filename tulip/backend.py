@@ -124,7 +124,11 @@ class RoseBackend:
             pooling=batch.pooling,
             normalize=batch.normalize,
         )
-        return self._engine.step(ragged)
+        result = self._engine.step(ragged)
+        # On the CPU the rows are final when `step` returns: hand the event loop plain
+        # numpy rows (one wake-up, no await of the LazyTensor there). On CUDA the result
+        # stays lazy so this thread can queue the next batch while the copy completes.
+        return result.numpy() if result.ready() else result
 
     def close(self) -> None:
         """Stop the engine thread once the steps already queued have run."""
@@ -166,6 +170,8 @@ def _token_types(model_dir: Path) -> int:
 
 
 async def _rows(step: Future[Any]) -> np.ndarray:
-    lazy = await asyncio.wrap_future(step)
-    tensor = await lazy
+    result = await asyncio.wrap_future(step)
+    if isinstance(result, np.ndarray):
+        return result
+    tensor = await result
     return tensor.numpy()

@@ -3,7 +3,7 @@
 Two layers, so a gateway can keep its own channel management:
 
 * pure helpers that build requests and read responses (`embed_request`,
-  `score_request`, `read_embed`, `read_score`), built on `protos.wire`;
+  `score_request`, `generate_request`, `read_embed`, `read_score`), built on `protos.wire`;
 * `TulipClient`, an asyncio client over one `grpc.aio` channel.
 
 Example::
@@ -11,11 +11,13 @@ Example::
     async with TulipClient("localhost:50051") as client:
         result = await client.embed([[0, 35378, 4, 2], [0, 9, 2]])
         result.embeddings  # float32 [2, 384]
+        async for piece in client.generate([1, 9906], pb.SamplingOptions(max_tokens=8)):
+            piece.token_ids, piece.text, piece.finish_reason  # last: finish_reason, usage
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -33,6 +35,7 @@ __all__ = [
     "Tokens",
     "TulipClient",
     "embed_request",
+    "generate_request",
     "read_embed",
     "read_score",
     "score_request",
@@ -114,6 +117,21 @@ def score_request(
     )
 
 
+def generate_request(
+    prompt_ids: Sequence[int] | np.ndarray, sampling: pb.SamplingOptions | None = None
+) -> pb.GenerateRequest:
+    """A `GenerateRequest`: the prompt's ids packed as little-endian uint32."""
+    ids = np.asarray(prompt_ids, dtype=np.int64)
+    if ids.ndim != 1:
+        raise ValueError("prompt_ids must be one sequence of token ids")
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.uint32).max):
+        raise ValueError("prompt_ids must fit in uint32")
+    request = pb.GenerateRequest(prompt_ids=ids.astype("<u4").tobytes())
+    if sampling is not None:
+        request.sampling.CopyFrom(sampling)
+    return request
+
+
 def read_embed(response: pb.EmbedResponse) -> EmbedResult:
     return EmbedResult(
         embeddings=unpack_tensor(response.embeddings),
@@ -191,6 +209,25 @@ class TulipClient:
     ) -> ScoreResult:
         request = score_request(pairs, first_segment_lengths, activation=activation)
         return read_score(await self._stub.Score(request, timeout=timeout))
+
+    async def generate(
+        self,
+        prompt_ids: Sequence[int],
+        sampling: pb.SamplingOptions | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """Stream the generation of one prompt: each message carries the new `token_ids`
+        and `text`; the last one `finish_reason`, `usage` and `timing`. Leaving the loop
+        early (or ``aclose()``) cancels the call, and the server frees the sequence.
+        Failures raise `grpc.aio.AioRpcError` (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ...).
+        """
+        call = self._stub.Generate(generate_request(prompt_ids, sampling), timeout=timeout)
+        try:
+            async for response in call:
+                yield response
+        finally:
+            call.cancel()  # a no-op once the stream has ended
 
     async def info(self, *, timeout: float | None = None) -> pb.InfoResponse:
         return await self._stub.Info(pb.InfoRequest(), timeout=timeout)

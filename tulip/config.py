@@ -17,6 +17,7 @@ __all__ = ["ConfigError", "TulipConfig", "env_name"]
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_SPEC_METHODS = ("none", "ngram", "draft", "mtp")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -54,6 +55,23 @@ class TulipConfig:
     """Grace period after SIGTERM for queued and in-flight work."""
     threads: int | None = None
     """torch intra-op threads; None leaves torch's default (all cores)."""
+    # -- generation (decoder models only) ---------------------------------------------
+    max_running_seqs: int = 32
+    """Most sequences decoded together (continuous batching); more wait in the engine."""
+    kv_pages: int = 0
+    """Pages in the KV cache pool; 0 sizes it for two full-context sequences."""
+    kv_page_size: int = 16
+    """Tokens per KV cache page."""
+    spec: str = "none"
+    """Speculative decoding: ``none``, ``ngram`` (prompt lookup), ``draft`` or ``mtp``."""
+    spec_draft_tokens: int = 4
+    """Tokens proposed per step when speculating."""
+    draft_model: str = ""
+    """``--spec draft``: the drafter's model directory or asset name (same tokenizer)."""
+    draft_layers: int = 0
+    """``--spec draft`` without ``--draft-model``: the target's first N layers as drafter."""
+    mtp_head: str = ""
+    """``--spec mtp``: directory of a head trained by ``python -m rose.spec.train_mtp``."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -81,6 +99,33 @@ class TulipConfig:
             raise ConfigError(f"--drain-seconds must not be negative, got {self.drain_seconds}")
         if self.threads is not None and self.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {self.threads}")
+        self._check_generation()
+
+    def _check_generation(self) -> None:
+        for key, value, low in (
+            ("--max-running-seqs", self.max_running_seqs, 1),
+            ("--kv-pages", self.kv_pages, 0),
+            ("--kv-page-size", self.kv_page_size, 1),
+            ("--spec-draft-tokens", self.spec_draft_tokens, 1),
+            ("--draft-layers", self.draft_layers, 0),
+        ):
+            if value < low:
+                raise ConfigError(f"{key} must be at least {low}, got {value}")
+        if self.spec not in _SPEC_METHODS:
+            raise ConfigError(
+                f"--spec must be one of {', '.join(_SPEC_METHODS)}, got {self.spec!r}"
+            )
+        if self.spec == "draft" and bool(self.draft_model) == bool(self.draft_layers):
+            raise ConfigError(
+                "--spec draft needs exactly one of --draft-model (a model) or "
+                "--draft-layers (the target's first N layers)"
+            )
+        if self.spec != "draft" and (self.draft_model or self.draft_layers):
+            raise ConfigError("--draft-model / --draft-layers are only used with --spec draft")
+        if self.spec == "mtp" and not self.mtp_head:
+            raise ConfigError("--spec mtp needs --mtp-head (a trained head's directory)")
+        if self.spec != "mtp" and self.mtp_head:
+            raise ConfigError("--mtp-head is only used with --spec mtp")
 
     @classmethod
     def from_args(
@@ -123,6 +168,19 @@ def _parser() -> argparse.ArgumentParser:
     add("--metrics-port", type=int, help="Prometheus port, 0 disables (default 9100)")
     add("--drain-seconds", type=float, help="grace period on SIGTERM (default 30)")
     add("--threads", type=int, help="torch intra-op threads (default: all cores)")
+    gen = parser.add_argument_group("generation (decoder models)")
+    gen.add_argument("--max-running-seqs", type=int, help="sequences decoded together (default 32)")
+    gen.add_argument(
+        "--kv-pages", type=int, help="KV cache pages, 0 = two full contexts (default 0)"
+    )
+    gen.add_argument("--kv-page-size", type=int, help="tokens per KV page (default 16)")
+    gen.add_argument("--spec", help="speculative decoding: none | ngram | draft | mtp")
+    gen.add_argument("--spec-draft-tokens", type=int, help="tokens drafted per step (default 4)")
+    gen.add_argument("--draft-model", help="--spec draft: drafter directory or asset name")
+    gen.add_argument(
+        "--draft-layers", type=int, help="--spec draft: use the target's first N layers"
+    )
+    gen.add_argument("--mtp-head", help="--spec mtp: trained MTP head directory")
     return parser
 
 

@@ -6,6 +6,7 @@ Every rejection is an `InvalidInput` whose message names the input (``inputs[3]`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,12 +16,18 @@ from protos.wire import WireError, unpack_token_batch
 from tulip.errors import InvalidInput
 
 __all__ = [
+    "MAX_STOP_STRINGS",
     "EmbedOptions",
+    "GenerateWork",
     "ModelLimits",
     "Work",
     "embed_work",
+    "generate_work",
     "score_work",
 ]
+
+MAX_STOP_STRINGS = 16
+"""Most stop strings one Generate request may give."""
 
 _POOLING = {
     pb.POOLING_DEFAULT: None,
@@ -42,7 +49,7 @@ class ModelLimits:
     """What the served model accepts."""
 
     kind: str
-    """``embedding`` or ``cross-encoder``."""
+    """``embedding``, ``cross-encoder`` or ``generator``."""
     vocab_size: int
     max_input_tokens: int
     dimensions: int
@@ -83,6 +90,102 @@ class EmbedOptions:
     """Whether rows are L2-normalized (after truncation)."""
     dtype: int
     """Wire dtype of the response tensor."""
+
+
+@dataclass(frozen=True)
+class GenerateWork:
+    """One Generate request, validated; the sampling fields mirror `rose.sampling.SamplingParams`
+    (zero values of the wire already replaced by their defaults, except ``max_tokens``: 0
+    means up to the context, or what one sequence can hold in the KV cache if less)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+
+    def sampling_kwargs(self, max_tokens: int) -> dict[str, object]:
+        """Keyword arguments of `rose.sampling.SamplingParams` (``max_tokens`` resolved)."""
+        return {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+def generate_work(request: pb.GenerateRequest, limits: ModelLimits) -> GenerateWork:
+    """Validate a `GenerateRequest` against a generator's vocabulary and context length;
+    raises `InvalidInput` naming the field (``prompt_ids``, ``sampling.top_p``, ...)."""
+    if limits.kind != "generator":
+        raise InvalidInput(
+            f"Generate needs a generator model; the served model is a {limits.kind} model"
+        )
+    if len(request.prompt_ids) % 4:
+        raise InvalidInput(
+            f"prompt_ids: {len(request.prompt_ids)} bytes, not a multiple of 4 (uint32 ids)"
+        )
+    ids = np.frombuffer(request.prompt_ids, dtype="<u4")
+    if ids.size == 0:
+        raise InvalidInput("prompt_ids: empty prompt (at least one token is needed)")
+    context = limits.max_input_tokens
+    if ids.size >= context:
+        raise InvalidInput(
+            f"prompt_ids: {ids.size} tokens leave no room to generate within the model's "
+            f"context of {context} tokens"
+        )
+    outside = np.flatnonzero(ids >= limits.vocab_size)
+    if outside.size:
+        i = int(outside[0])
+        raise InvalidInput(
+            f"prompt_ids[{i}]: token id {int(ids[i])} is outside the vocabulary "
+            f"(size {limits.vocab_size})"
+        )
+    s = request.sampling
+    room = context - int(ids.size)
+    max_tokens = s.max_tokens  # 0: as many as fit, resolved by the backend (KV cache)
+    if max_tokens > room:
+        raise InvalidInput(
+            f"sampling.max_tokens: {ids.size} prompt tokens + {max_tokens} new tokens exceed "
+            f"the model's context of {context} tokens (at most {room} new tokens fit)"
+        )
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise InvalidInput(
+            f"sampling.temperature: must be a finite number >= 0, got {s.temperature}"
+        )
+    top_p = s.top_p or 1.0
+    if not 0.0 < top_p <= 1.0:  # NaN fails too
+        raise InvalidInput(f"sampling.top_p: must be in (0, 1] (0 means 1), got {s.top_p}")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise InvalidInput(f"sampling.stop: {len(s.stop)} strings, at most {MAX_STOP_STRINGS}")
+    for i, text in enumerate(s.stop):
+        if not text:
+            raise InvalidInput(f"sampling.stop[{i}]: empty string")
+    for i, token in enumerate(s.stop_token_ids):
+        if token >= limits.vocab_size:
+            raise InvalidInput(
+                f"sampling.stop_token_ids[{i}]: token id {token} is outside the vocabulary "
+                f"(size {limits.vocab_size})"
+            )
+    return GenerateWork(
+        prompt_ids=ids.tolist(),
+        max_tokens=int(max_tokens),
+        temperature=float(s.temperature),
+        top_p=float(top_p),
+        top_k=int(s.top_k),
+        seed=int(s.seed) if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
+        ignore_eos=bool(s.ignore_eos),
+    )
 
 
 def embed_work(request: pb.EmbedRequest, limits: ModelLimits) -> tuple[Work, EmbedOptions]:

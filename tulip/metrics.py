@@ -91,6 +91,57 @@ class Metrics:
             "tulip_computed_tokens", "Tokens sent to the engine", registry=r
         )
 
+        # -- generation (decoder models) ------------------------------------------------
+        self.generated_tokens = Counter(
+            "tulip_generated_tokens", "Tokens generated (streamed to clients)", registry=r
+        )
+        self.active_sequences = Gauge(
+            "tulip_active_sequences",
+            "Generate requests the engine holds (running or waiting for pages)",
+            registry=r,
+        )
+        self.kv_pages_free = Gauge("tulip_kv_pages_free", "Free pages of the KV cache", registry=r)
+        self.kv_pages = Gauge("tulip_kv_pages", "Pages of the KV cache pool", registry=r)
+        self.time_to_first_token = Histogram(
+            "tulip_time_to_first_token_seconds",
+            "Time from admission until a Generate request's first token",
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
+        self.generate_step_seconds = Histogram(
+            "tulip_generate_step_seconds",
+            "Wall time of one generation engine step (all running sequences)",
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
+        self.spec_drafted = Counter(
+            "tulip_spec_drafted_tokens", "Draft tokens proposed", ["method"], registry=r
+        )
+        self.spec_accepted = Counter(
+            "tulip_spec_accepted_tokens",
+            "Draft tokens accepted by the target",
+            ["method"],
+            registry=r,
+        )
+        self.spec_steps = Counter(
+            "tulip_spec_verify_steps",
+            "Verification steps that carried drafts",
+            ["method"],
+            registry=r,
+        )
+        self.spec_acceptance_rate = Gauge(
+            "tulip_spec_acceptance_rate",
+            "Fraction of draft tokens accepted since the server started",
+            ["method"],
+            registry=r,
+        )
+        self.spec_mean_accepted_length = Gauge(
+            "tulip_spec_mean_accepted_length",
+            "Draft tokens accepted per verification step since the server started",
+            ["method"],
+            registry=r,
+        )
+
     def serve(self, host: str, port: int) -> MetricsEndpoint:
         """Expose the registry over HTTP on (host, port) from a daemon thread."""
         server, thread = start_http_server(port, addr=host, registry=self.registry)

@@ -3,7 +3,9 @@
 Life of the process:
 
 1. metrics endpoint and gRPC server start; health says NOT_SERVING;
-2. the model loads (in a thread) and runs a warm-up batch; health says SERVING;
+2. the model loads (in a thread) and runs a warm-up batch; health says SERVING. An
+   encoder (embedding / cross-encoder) is served through the batching `Scheduler`; a
+   decoder (config.json ``model_type`` llama or qwen2) through `GenerationBackend`;
 3. on SIGTERM/SIGINT health says NOT_SERVING, new work is refused (UNAVAILABLE), queued
    and in-flight work completes within ``drain_seconds``; the process exits 0.
 """
@@ -14,7 +16,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -22,13 +24,14 @@ from grpc_health.v1.health import aio as health_aio
 
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
-from tulip.backend import RoseBackend
-from tulip.config import TulipConfig
+from tulip.backend import RoseBackend, resolve_model_dir
+from tulip.config import ConfigError, TulipConfig
+from tulip.generation import GenerationBackend, is_generator
 from tulip.metrics import Metrics
 from tulip.scheduler import BatchLimits, Scheduler
 from tulip.service import InferenceService
 
-__all__ = ["SERVICE_NAME", "serve"]
+__all__ = ["SERVICE_NAME", "load_backend", "serve"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -39,8 +42,19 @@ _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 log = logging.getLogger("tulip")
 
 
+def load_backend(config: TulipConfig) -> RoseBackend | GenerationBackend:
+    """Load `config.model` as a generator or an encoder, by its config.json; blocking."""
+    model_dir = resolve_model_dir(config.model)
+    if is_generator(model_dir):
+        return GenerationBackend.load(config, model_dir)
+    if config.spec != "none":
+        raise ConfigError(f"--spec {config.spec}: {model_dir.name} is not a generator model")
+    return RoseBackend.load(config)
+
+
 async def serve(
-    config: TulipConfig, load: Callable[[TulipConfig], RoseBackend] = RoseBackend.load
+    config: TulipConfig,
+    load: Callable[[TulipConfig], RoseBackend | GenerationBackend] = load_backend,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then drain; returns the process exit code."""
     stop = asyncio.Event()
@@ -65,7 +79,7 @@ async def serve(
     await server.start()
     log.info("tulip: gRPC on %s:%d, loading %s", config.host, port, config.model)
 
-    backend: RoseBackend | None = None
+    backend: RoseBackend | GenerationBackend | None = None
     try:
         loading = asyncio.ensure_future(asyncio.to_thread(load, config))
         stopping = asyncio.ensure_future(stop.wait())
@@ -76,28 +90,37 @@ async def serve(
         stopping.cancel()
         backend = loading.result()
         started = time.monotonic()
-        await backend.warm_up()
+        close_admission: Callable[[], None]
+        drain: Callable[[float], Awaitable[bool]]
+        if isinstance(backend, GenerationBackend):
+            backend.start(metrics)
+            await backend.warm_up()
+            service.attach_generator(backend)
+            close_admission, drain = backend.close_admission, backend.drain
+        else:
+            await backend.warm_up()
+            scheduler = Scheduler(
+                backend,
+                BatchLimits(
+                    max_batch_tokens=config.max_batch_tokens,
+                    max_batch_rows=config.max_batch_rows,
+                    max_queued_tokens=config.max_queued_tokens,
+                ),
+                metrics,
+            )
+            scheduler.start()
+            service.attach(backend, scheduler)
+            close_admission, drain = scheduler.close, scheduler.drain
         log.info("tulip: warmed up in %.2fs", time.monotonic() - started)
-        scheduler = Scheduler(
-            backend,
-            BatchLimits(
-                max_batch_tokens=config.max_batch_tokens,
-                max_batch_rows=config.max_batch_rows,
-                max_queued_tokens=config.max_queued_tokens,
-            ),
-            metrics,
-        )
-        scheduler.start()
-        service.attach(backend, scheduler)
         await _set_health(health, _SERVING)
         log.info("tulip: SERVING %s on port %d", backend.served.name, port)
 
         await stop.wait()
         deadline = time.monotonic() + config.drain_seconds
         log.info("tulip: draining (up to %.1fs)", config.drain_seconds)
-        scheduler.close()  # refuse new work before anyone can observe NOT_SERVING
+        close_admission()  # refuse new work before anyone can observe NOT_SERVING
         await _set_health(health, _NOT_SERVING)
-        drained = await scheduler.drain(max(0.0, deadline - time.monotonic()))
+        drained = await drain(max(0.0, deadline - time.monotonic()))
         log.info("tulip: %s", "drained" if drained else "drain timed out")
         # Every admitted request is answered; give the handlers a moment to send their
         # responses, then close the remaining streams (health watchers never end on their own).

@@ -1,10 +1,15 @@
-"""The `trellis.v1.Inference` gRPC service: validate, queue, await, pack."""
+"""The `trellis.v1.Inference` gRPC service: validate, queue, await, pack.
+
+Embed and Score go through the batching `Scheduler` to an encoder backend; Generate
+streams from a `Generator` (`tulip.generation.GenerationBackend`). A process serves one
+model, so exactly one of the two is attached; the other RPCs answer INVALID_ARGUMENT.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -14,12 +19,12 @@ import numpy as np
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
 from protos.wire import pack_tensor
-from tulip.errors import NotReady, TulipError, status_code
-from tulip.inputs import ModelLimits, embed_work, score_work
+from tulip.errors import InvalidInput, NotReady, TulipError, status_code
+from tulip.inputs import GenerateWork, ModelLimits, embed_work, generate_work, score_work
 from tulip.metrics import Metrics
 from tulip.scheduler import Scheduler
 
-__all__ = ["InferenceService", "Model", "ServedModel"]
+__all__ = ["GenerationStreamLike", "Generator", "InferenceService", "Model", "ServedModel"]
 
 _Response = TypeVar("_Response")
 
@@ -46,18 +51,41 @@ class Model(Protocol):
     def activate(self, logits: np.ndarray, activation: str) -> np.ndarray: ...
 
 
+class GenerationStreamLike(Protocol):
+    """One request's responses; `close` aborts it when it has not finished."""
+
+    def __aiter__(self) -> AsyncIterator[pb.GenerateResponse]: ...
+
+    def close(self) -> None: ...
+
+
+class Generator(Protocol):
+    """A served decoder as the service sees it (implemented by `GenerationBackend`)."""
+
+    @property
+    def served(self) -> ServedModel: ...
+
+    def submit(self, work: GenerateWork) -> GenerationStreamLike: ...
+
+
 class InferenceService(pb_grpc.InferenceServicer):
-    """Answers Embed/Score/Info; until `attach` is called every call is UNAVAILABLE."""
+    """Answers Embed/Score/Info/Generate; until a model is attached every call is
+    UNAVAILABLE."""
 
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
         self._model: Model | None = None
         self._scheduler: Scheduler | None = None
+        self._generator: Generator | None = None
 
     def attach(self, model: Model, scheduler: Scheduler) -> None:
         """Start serving `model` through `scheduler` (after loading and warm-up)."""
         self._model = model
         self._scheduler = scheduler
+
+    def attach_generator(self, generator: Generator) -> None:
+        """Start serving a decoder: Generate streams, Embed/Score are INVALID_ARGUMENT."""
+        self._generator = generator
 
     async def Embed(
         self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
@@ -73,6 +101,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.InfoResponse:
         async def info() -> pb.InfoResponse:
+            if self._generator is not None:
+                return self._generator.served.info
             return self._ready()[0].served.info
 
         return await self._answer("Info", context, info)
@@ -103,10 +133,51 @@ class InferenceService(pb_grpc.InferenceServicer):
             timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us),
         )
 
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        method = "Generate"
+        stream: GenerationStreamLike | None = None
+        try:
+            generator = self._generator_ready()
+            stream = generator.submit(generate_work(request, generator.served.limits))
+            async for response in stream:
+                yield response
+        except TulipError as error:
+            code = status_code(error)
+            self._metrics.requests.labels(method=method, status=code.name).inc()
+            await context.abort(code, str(error))
+            raise AssertionError("unreachable: abort raises") from error
+        except (asyncio.CancelledError, GeneratorExit):
+            self._metrics.requests.labels(method=method, status="CANCELLED").inc()
+            raise
+        except Exception:
+            self._metrics.requests.labels(method=method, status="UNKNOWN").inc()
+            raise
+        finally:
+            if stream is not None:
+                stream.close()  # aborts the sequence unless it finished
+        self._metrics.requests.labels(method=method, status="OK").inc()
+
     def _ready(self) -> tuple[Model, Scheduler]:
         if self._model is None or self._scheduler is None:
+            if self._generator is not None:
+                raise InvalidInput(
+                    f"{self._generator.served.name} is a generator model: it answers "
+                    "Generate and Info, not Embed or Score"
+                )
             raise NotReady("model is still loading; retry shortly")
         return self._model, self._scheduler
+
+    def _generator_ready(self) -> Generator:
+        if self._generator is None:
+            if self._model is not None:
+                raise InvalidInput(
+                    f"Generate needs a generator model; {self._model.served.name} is a "
+                    f"{self._model.served.limits.kind} model"
+                )
+            raise NotReady("model is still loading; retry shortly")
+        return self._generator
 
     async def _answer(
         self,
