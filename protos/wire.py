@@ -39,7 +39,12 @@ def pack_token_batch(
         flat = np.fromiter((i for row in rows for i in row), dtype=np.int64, count=sum(lengths))
     else:
         flat = np.asarray(ids)
-    if flat.size and (flat.min() < 0 or flat.max() > np.iinfo(np.uint32).max):
+    # uint32 ids (what the tokenizer returns) fit by construction: skip two reductions.
+    if (
+        flat.dtype != _IDS_DTYPE
+        and flat.size
+        and (flat.min() < 0 or flat.max() > np.iinfo(np.uint32).max)
+    ):
         raise WireError("token ids must fit in uint32")
     packed = np.ascontiguousarray(flat, dtype=_IDS_DTYPE)
     lengths_list = [int(n) for n in np.asarray(lengths).tolist()]

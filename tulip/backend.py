@@ -82,6 +82,7 @@ class RoseBackend:
             ),
         )
         self._num_labels = int(info.num_labels or 0)
+        self._on_cpu = str(info.device) == "cpu"
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tulip-engine")
 
     @classmethod
@@ -112,7 +113,10 @@ class RoseBackend:
 
     def step(self, batch: BatchInputs) -> Awaitable[np.ndarray]:
         """Queue `batch` on the engine thread now; the awaitable yields its result rows."""
-        return _rows(self._thread.submit(self._step, batch))
+        submitted = self._thread.submit(self._step, batch)
+        if self._on_cpu:
+            return asyncio.wrap_future(submitted)  # already numpy rows: nothing to await
+        return _rows(submitted)
 
     def _step(self, batch: BatchInputs) -> Any:
         from rose import RaggedBatch

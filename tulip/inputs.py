@@ -256,19 +256,18 @@ def _token_batch(
         raise InvalidInput(f"{field}: {error}") from None
     if lengths.size == 0:
         raise InvalidInput(f"{field}: no inputs")
-    empty = np.flatnonzero(lengths == 0)
-    if empty.size:
-        raise InvalidInput(f"{field}[{int(empty[0])}]: empty sequence (length 0)")
-    long = np.flatnonzero(lengths > limits.max_input_tokens)
-    if long.size:
-        i = int(long[0])
+    # Cheap reductions first; the offending index is looked up only for the error.
+    if lengths.min() == 0:
+        i = int(np.flatnonzero(lengths == 0)[0])
+        raise InvalidInput(f"{field}[{i}]: empty sequence (length 0)")
+    if lengths.max() > limits.max_input_tokens:
+        i = int(np.flatnonzero(lengths > limits.max_input_tokens)[0])
         raise InvalidInput(
             f"{field}[{i}]: {int(lengths[i])} tokens is longer than the model's maximum "
             f"of {limits.max_input_tokens}"
         )
-    outside = np.flatnonzero(ids >= limits.vocab_size)
-    if outside.size:
-        position = int(outside[0])
+    if ids.max() >= limits.vocab_size:
+        position = int(np.flatnonzero(ids >= limits.vocab_size)[0])
         ends = np.cumsum(lengths, dtype=np.int64)
         row = int(np.searchsorted(ends, position, side="right"))
         start = int(ends[row - 1]) if row else 0

@@ -1,7 +1,8 @@
 """First-come-first-served batching by token budget, with one batch prefetched.
 
-One asyncio task owns the queue. Request handlers only call `Scheduler.submit` (which
-admits or rejects at once) and await the returned future. The owner task:
+Everything runs on the event loop's thread. Request handlers only call
+`Scheduler.submit` (which admits or rejects at once) and await the returned future. The
+scheduler:
 
 * fills a batch from the head of the queue up to ``max_batch_tokens`` and
   ``max_batch_rows``, never splitting a request; a request bigger than the budget runs on
@@ -19,13 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import functools
 import logging
 import time
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -106,7 +106,13 @@ class _Flight:
 
 
 class Scheduler:
-    """Owns the request queue and the engine's batch pipeline (one per server)."""
+    """Owns the request queue and the engine's batch pipeline (one per server).
+
+    Event-driven, on the event loop's thread: `submit` schedules one pump for the
+    current loop iteration (so requests arriving together share a batch), and each
+    batch's completion callback answers its requests and launches the next batch at
+    once. No task sits between a request and the engine.
+    """
 
     def __init__(self, backend: Backend, limits: BatchLimits, metrics: Metrics) -> None:
         self._backend = backend
@@ -115,9 +121,12 @@ class Scheduler:
         self._queue: collections.deque[_Job] = collections.deque()
         self._queued_tokens = 0
         self._queued_requests = 0
-        self._arrival = asyncio.Event()
+        self._flights: collections.deque[_Flight] = collections.deque()
+        self._idle = asyncio.Event()
+        self._started = False
+        self._pump_scheduled = False
         self._closing = False
-        self._owner: asyncio.Task[None] | None = None
+        self._stopped = False
 
     # -- handlers' side ------------------------------------------------------------------
 
@@ -146,7 +155,7 @@ class Scheduler:
         self._queued_tokens += work.tokens
         self._queued_requests += 1
         self._publish_queue()
-        self._arrival.set()
+        self._schedule_pump()
         return future
 
     @property
@@ -156,76 +165,88 @@ class Scheduler:
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._owner is None:
-            self._owner = asyncio.get_running_loop().create_task(self._run(), name="tulip-batcher")
+        """Begin handing batches to the engine (work submitted before waits until now)."""
+        self._started = True
+        self._schedule_pump()
 
     def close(self) -> None:
         """Admit nothing more; queued and in-flight work still completes."""
         self._closing = True
-        self._arrival.set()
+        self._check_idle()
 
     async def drain(self, timeout: float) -> bool:
         """Close, then wait up to `timeout` seconds for all admitted work to be answered.
 
-        Returns whether everything was answered; on timeout the work still queued is
-        failed with `Draining` and the owner task is stopped.
+        Returns whether everything was answered; on timeout the work still queued or in
+        flight is failed with `Draining` and the pipeline stops.
         """
         self.close()
-        if self._owner is None:
+        if not self._started:
             self._fail_queued(Draining("server shut down before the request was computed"))
             return True
-        done, _ = await asyncio.wait({self._owner}, timeout=timeout)
-        if done:
-            return True
-        self._owner.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._owner
-        self._fail_queued(Draining("server shut down before the request was computed"))
-        return False
-
-    # -- the owner task ------------------------------------------------------------------
-
-    async def _run(self) -> None:
-        flights: collections.deque[_Flight] = collections.deque()
         try:
-            while True:
-                self._arrival.clear()
-                if len(flights) < _PIPELINE_DEPTH and self._queued_requests:
-                    flight = self._launch(previous=flights[-1] if flights else None)
-                    if flight is not None:
-                        flights.append(flight)
-                    continue
-                if not flights:
-                    if self._closing and not self._queued_requests:
-                        return
-                    await self._arrival.wait()
-                    continue
-                head = flights[0]
-                if len(flights) < _PIPELINE_DEPTH and not self._closing:
-                    # Room for a prefetched batch: wake on its completion or new work.
-                    arrival = asyncio.ensure_future(self._arrival.wait())
-                    waiters: set[asyncio.Future[Any]] = {head.task, arrival}
-                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                    arrival.cancel()
-                    if not head.task.done():
-                        continue
-                else:
-                    await asyncio.wait({head.task})
-                flights.popleft()
-                self._finish(head, next_flight=flights[0] if flights else None)
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
+            self._stop()
+            return False
+        return True
+
+    # -- the pipeline --------------------------------------------------------------------
+
+    def _schedule_pump(self) -> None:
+        if self._started and not self._stopped and not self._pump_scheduled:
+            self._pump_scheduled = True
+            asyncio.get_running_loop().call_soon(self._pump)
+
+    def _pump(self) -> None:
+        """Fill the pipeline: the running batch plus one prefetched batch."""
+        self._pump_scheduled = False
+        if self._stopped:
+            return
+        try:
+            while len(self._flights) < _PIPELINE_DEPTH and self._queued_requests:
+                flight = self._launch(previous=self._flights[-1] if self._flights else None)
+                if flight is not None:
+                    self._flights.append(flight)
+                    flight.task.add_done_callback(self._landed)
+            self._check_idle()
         except Exception:
-            log.exception("tulip: the batcher failed; refusing new work")
-            self._closing = True
-            raise
-        finally:
-            self._fail_queued(Draining("the batcher stopped before the request was computed"))
-            for flight in flights:
-                flight.task.cancel()
-                for job in flight.jobs:
-                    if not job.future.done():
-                        job.future.set_exception(
-                            Draining("server shut down before the batch finished")
-                        )
+            self._crash()
+
+    def _landed(self, _task: asyncio.Future[np.ndarray]) -> None:
+        """A batch finished: answer the batches done at the pipeline's head, in order,
+        then launch what is queued."""
+        if self._stopped:
+            return
+        try:
+            while self._flights and self._flights[0].task.done():
+                flight = self._flights.popleft()
+                self._finish(flight, next_flight=self._flights[0] if self._flights else None)
+        except Exception:
+            self._crash()
+            return
+        self._pump()
+
+    def _check_idle(self) -> None:
+        if self._closing and not self._flights and not self._queued_requests:
+            self._idle.set()
+
+    def _stop(self) -> None:
+        """Fail everything still queued or in flight with `Draining`; launch nothing more."""
+        self._stopped = True
+        self._fail_queued(Draining("server shut down before the request was computed"))
+        flights, self._flights = list(self._flights), collections.deque()
+        for flight in flights:
+            flight.task.cancel()
+            for job in flight.jobs:
+                if not job.future.done():
+                    job.future.set_exception(Draining("server shut down before the batch finished"))
+        self._idle.set()
+
+    def _crash(self) -> None:
+        log.exception("tulip: the batcher failed; refusing new work")
+        self._closing = True
+        self._stop()
 
     def _launch(self, previous: _Flight | None) -> _Flight | None:
         """Form the next batch from the queue head and hand it to the engine."""
