@@ -47,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         access_log=False,
         timeout_graceful_shutdown=30,
         http="httptools",
+        proxy_headers=False,  # Ivy reads no client address; skip the per-request rewrite
     )
     if config.workers > 1:
         # uvicorn's supervisor builds plain servers in the workers: there the gateway is

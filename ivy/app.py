@@ -32,6 +32,8 @@ from ivy.errors import (
     error_body,
 )
 from ivy.gateway import Gateway, Timings
+from ivy.generation_api import CHAT_ROUTE, COMPLETIONS_ROUTE, add_generation_routes
+from ivy.hot_routes import Answer, HotHandler, HotRoutes
 from ivy.metrics import Metrics
 from ivy.models import ServedModel
 from ivy.replicas import ReplicaPool
@@ -72,6 +74,8 @@ _ROUTES = {
     "/health/live",
     "/health/ready",
     "/metrics",
+    CHAT_ROUTE,
+    COMPLETIONS_ROUTE,
 }
 
 
@@ -205,9 +209,11 @@ def create_app(config: IvyConfig) -> FastAPI:
         return state["gateway"]
 
     def authorize(request: Request) -> None:
+        check_key(request.headers.get("authorization", ""))
+
+    def check_key(header: str) -> None:
         if not api_keys:
             return
-        header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise AuthenticationError(
@@ -238,25 +244,42 @@ def create_app(config: IvyConfig) -> FastAPI:
         )
         return Response(body, 500, media_type=_JSON)
 
+    hot: dict[str, HotHandler] = {}
+
     def endpoint(
         model: type[pydantic.BaseModel],
         run: Callable[[Any, Timings], Awaitable[dict[str, Any]]],
         route: str,
     ) -> Callable[[Request], Awaitable[Response]]:
-        async def handle(request: Request) -> Response:
-            authorize(request)
-            body = await _read_body(request, config.max_body_bytes)
+        tokenize_seconds = metrics.tokenize_seconds.labels(route=route)
+        inference_seconds = metrics.inference_seconds.labels(route=route)
+        chunks_per_request = metrics.chunks_per_request.labels(route=route)
+
+        async def answer(body: bytes, authorization: str) -> Answer:
+            check_key(authorization)
             req = _parse(body, model)
             timings = Timings()
             try:
                 payload = await run(req, timings)
             except TokenizationError as exc:
                 raise ValidationError(f"The input could not be tokenized: {exc}") from None
-            metrics.tokenize_seconds.labels(route=route).observe(timings.tokenize_s)
-            metrics.inference_seconds.labels(route=route).observe(timings.inference_s)
-            metrics.chunks_per_request.labels(route=route).observe(timings.chunks)
-            return _json(payload, headers={"Server-Timing": timings.header()})
+            tokenize_seconds.observe(timings.tokenize_s)
+            inference_seconds.observe(timings.inference_s)
+            chunks_per_request.observe(timings.chunks)
+            return Answer(
+                200,
+                orjson.dumps(payload, option=_ORJSON_OPTS),
+                {"Server-Timing": timings.header()},
+            )
 
+        # Requests reach `answer` through `HotRoutes`; this FastAPI twin serves the same
+        # answer to in-process callers of the bare app and documents the route.
+        async def handle(request: Request) -> Response:
+            body = await _read_body(request, config.max_body_bytes)
+            result = await answer(body, request.headers.get("authorization", ""))
+            return Response(result.body, result.status, dict(result.headers), media_type=_JSON)
+
+        hot[route] = answer
         return handle
 
     def add_post(
@@ -361,7 +384,21 @@ def create_app(config: IvyConfig) -> FastAPI:
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    add_generation_routes(
+        app,
+        gateway=gateway,
+        metrics=metrics,
+        authorize=authorize,
+        read_body=lambda request: _read_body(request, config.max_body_bytes),
+        parse=_parse,
+        timeout_seconds=config.generation_timeout_seconds,
+        served_models=sorted(config.models),
+    )
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
+    # Outermost of Ivy's middlewares: hot POSTs skip the rest of the stack.
+    app.add_middleware(
+        HotRoutes, handlers=hot, metrics=metrics, max_body_bytes=config.max_body_bytes
+    )
     return app
 
 

@@ -226,7 +226,27 @@ def _terminate(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None
             proc.wait()
 
 
-def _examples(base: str, name: str) -> str:
+def _chat_examples(base: str, name: str) -> str:
+    return f"""
+Trellis is up: Ivy on {base}, model `{name}`.
+
+  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "What is the capital of France?"}}], "max_tokens": 64}}'
+
+  curl -sN {base}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{{"model": "{name}", "messages": [{{"role": "user", "content": "Write a haiku about search."}}], "max_tokens": 64, "stream": true}}'
+
+Metrics: {base}/metrics   API: {base}/docs   Stop: Ctrl-C
+"""
+
+
+def _examples(base: str, name: str, directory: Path | None = None) -> str:
+    """Example requests for the served model: chat for generators, else embeddings."""
+    if directory is not None:
+        from ivy.models import GENERATOR, read_model_spec
+
+        if read_model_spec(directory, 0).kind == GENERATOR:
+            return _chat_examples(base, name)
     return f"""
 Trellis is up: Ivy on {base}, model `{name}`.
 
@@ -274,7 +294,7 @@ def run(config: ClusterConfig) -> int:
         if failure:
             print(f"trellis up: {failure[0]}", file=sys.stderr, flush=True)
             return 1
-        print(_examples(cluster.base_url, cluster.name), flush=True)
+        print(_examples(cluster.base_url, cluster.name, cluster.directory), flush=True)
         while not stop.is_set():
             if cluster.ivy is not None and cluster.ivy.poll() is not None:
                 print(f"trellis up: Ivy exited ({cluster.ivy.returncode}); stopping", flush=True)

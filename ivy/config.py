@@ -54,6 +54,8 @@ class IvyConfig:
     api_keys_file: str | None = None
     api_keys: tuple[str, ...] = ()
     request_timeout_seconds: float = 60.0
+    # whole-request limit of /v1/chat/completions and /v1/completions (streamed or not)
+    generation_timeout_seconds: float = 600.0
     max_body_bytes: int = 32 * 1024 * 1024
     max_inputs: int = 2048
     health_interval_seconds: float = 1.0
@@ -93,6 +95,8 @@ class IvyConfig:
             raise ConfigError("chunk-tokens", f"must be >= 1, got {self.chunk_tokens}")
         if self.request_timeout_seconds <= 0:
             raise ConfigError("request-timeout-seconds", "must be > 0")
+        if self.generation_timeout_seconds <= 0:
+            raise ConfigError("generation-timeout-seconds", "must be > 0")
         if self.max_body_bytes < 1024:
             raise ConfigError("max-body-bytes", f"must be >= 1024, got {self.max_body_bytes}")
         if self.max_inputs < 1:
@@ -155,6 +159,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-tokens", type=int)
     parser.add_argument("--api-keys-file")
     parser.add_argument("--request-timeout-seconds", type=float)
+    parser.add_argument(
+        "--generation-timeout-seconds", type=float, help="limit of one generation request"
+    )
     parser.add_argument("--max-body-bytes", type=int)
     parser.add_argument("--max-inputs", type=int)
     parser.add_argument("--health-interval-seconds", type=float)
@@ -168,6 +175,7 @@ _SCALARS: dict[str, type] = {
     "chunk_tokens": int,
     "api_keys_file": str,
     "request_timeout_seconds": float,
+    "generation_timeout_seconds": float,
     "max_body_bytes": int,
     "max_inputs": int,
     "health_interval_seconds": float,

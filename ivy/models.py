@@ -7,10 +7,11 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from ivy.chat_template import ChatTemplate
 from ivy.tokenization import TextTokenizer, load_tokenizer
 from protos.trellis.v1 import inference_pb2 as pb
 
-__all__ = ["ModelSpec", "ServedModel", "read_model_spec"]
+__all__ = ["CROSS_ENCODER", "EMBEDDING", "GENERATOR", "ModelSpec", "ServedModel", "read_model_spec"]
 
 EMBEDDING = "embedding"
 CROSS_ENCODER = "cross-encoder"
@@ -96,18 +97,26 @@ def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
 
 @dataclass
 class ServedModel:
-    """A served model name, its tokenizer and its current spec."""
+    """A served model name, its tokenizer, its chat template (chat models) and its
+    current spec."""
 
     name: str
     directory: Path
     tokenizer: TextTokenizer
     spec: ModelSpec
+    chat_template: ChatTemplate | None = None
 
     @classmethod
     def load(cls, name: str, directory: str | Path) -> ServedModel:
         directory = Path(directory)
         tokenizer = load_tokenizer(directory / "tokenizer.json")
-        return cls(name, directory, tokenizer, read_model_spec(directory, tokenizer.vocab_size))
+        return cls(
+            name,
+            directory,
+            tokenizer,
+            read_model_spec(directory, tokenizer.vocab_size),
+            ChatTemplate.from_directory(directory),
+        )
 
     def prompt_for(self, input_type: str | None) -> str:
         if input_type == "search_query" or input_type == "query":

@@ -13,6 +13,7 @@ import random
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -52,6 +53,10 @@ class Replica:
         self.info: pb.InfoResponse | None = None
         self._metrics = metrics
         self._labels = {"model": model, "replica": address}
+        # Label children bound once: the per-chunk path only sets and increments.
+        self._outstanding = metrics.replica_outstanding_tokens.labels(**self._labels)
+        self._tokens = metrics.replica_tokens.labels(**self._labels)
+        self._chunks: dict[str, Any] = {}
         self._watch_task: asyncio.Task[None] | None = None
 
     @property
@@ -63,14 +68,19 @@ class Replica:
 
     def acquire(self, tokens: int) -> None:
         self.outstanding_tokens += tokens
-        self._metrics.replica_outstanding_tokens.labels(**self._labels).set(self.outstanding_tokens)
+        self._outstanding.set(self.outstanding_tokens)
 
     def release(self, tokens: int, outcome: str) -> None:
         self.outstanding_tokens -= tokens
-        self._metrics.replica_outstanding_tokens.labels(**self._labels).set(self.outstanding_tokens)
-        self._metrics.replica_chunks.labels(outcome=outcome, **self._labels).inc()
+        self._outstanding.set(self.outstanding_tokens)
+        chunks = self._chunks.get(outcome)
+        if chunks is None:
+            chunks = self._chunks[outcome] = self._metrics.replica_chunks.labels(
+                outcome=outcome, **self._labels
+            )
+        chunks.inc()
         if outcome == "OK":
-            self._metrics.replica_tokens.labels(**self._labels).inc(tokens)
+            self._tokens.inc(tokens)
 
     def _set_serving(self, serving: bool) -> None:
         self.watched_serving = serving

@@ -47,10 +47,13 @@ class Chunk:
 def split_chunks(lengths: np.ndarray, chunk_tokens: int) -> list[Chunk]:
     """Consecutive inputs grouped while their token total stays within ``chunk_tokens``
     (an input longer than that alone forms a chunk)."""
+    n = len(lengths)
+    total = int(lengths.sum(dtype=np.int64))
+    if n and total <= chunk_tokens:
+        return [Chunk(0, n, 0, total)]  # the common small request: one chunk
     chunks: list[Chunk] = []
     offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
     start = 0
-    n = len(lengths)
     while start < n:
         # Furthest stop with offsets[stop] - offsets[start] <= chunk_tokens.
         stop = int(np.searchsorted(offsets, offsets[start] + chunk_tokens, side="right")) - 1

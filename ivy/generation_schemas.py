@@ -1,0 +1,200 @@
+"""Request and response shapes of OpenAI's chat completions and (legacy) completions.
+
+Requests are validated strictly like `ivy.schemas` (no coercion of JSON types; unknown
+fields are ignored as OpenAI does). The response models document /openapi.json; the
+handlers build the same shapes as plain dicts.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ivy.schemas import ErrorBody
+
+__all__ = [
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatMessage",
+    "CompletionChunk",
+    "CompletionRequest",
+    "CompletionResponse",
+    "GenerationUsage",
+    "StreamError",
+    "StreamOptions",
+    "TextPart",
+]
+
+TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+StopStrings = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
+)
+FinishReason = Literal["stop", "length"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+# Message objects are documented closed: the schema lists what Ivy reads. Other keys are
+# still ignored at runtime (clients echo assistant messages back with `refusal`,
+# `tool_calls`, ...). Closed nested objects also keep schemathesis from drawing arbitrary
+# JSON for them: with `--workers 2` that intermittently fails inside Hypothesis with
+# CPython 3.11's "AST constructor recursion depth mismatch" (python/cpython#106905).
+_CLOSED = ConfigDict(json_schema_extra={"additionalProperties": False})
+
+
+class TextPart(_Strict):
+    """One part of a message's content; only text parts are accepted."""
+
+    model_config = _CLOSED
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """A message of the conversation. ``developer`` is OpenAI's newer name for
+    ``system`` and is rendered as one."""
+
+    model_config = _CLOSED
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """The sampling and stopping parameters both endpoints share."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = Field(
+        default=None, description="Default 1.0; 0 is greedy."
+    )
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = Field(
+        default=None, description="Trellis extension: sample among the k likeliest tokens."
+    )
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    stop: StopStrings | None = Field(default=None, description="Up to 4 strings.")
+    n: int | None = Field(default=None, description="Only 1 is supported.")
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    """OpenAI's chat completion request (text only, one choice)."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(
+        default=None, description="Wins over max_tokens when both are given."
+    )
+    logprobs: bool | None = Field(default=None, description="Not supported: false or absent.")
+
+
+class CompletionRequest(_Sampling):
+    """OpenAI's legacy completion request; ``max_tokens`` defaults to 16 as there."""
+
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=2048)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=2048)]
+    ) = Field(description="Text, texts, token ids or lists of token ids.")
+    echo: bool | None = Field(default=False, description="Only false is supported.")
+    best_of: int | None = Field(default=None, description="Only 1 is supported.")
+    logprobs: int | None = Field(default=None, description="Not supported: null or absent.")
+    suffix: str | None = Field(default=None, description="Not supported: null or absent.")
+
+
+class GenerationUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: GenerationUsage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: FinishReason | None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One `data:` event of a streamed chat completion (the stream ends with `[DONE]`)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: GenerationUsage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: GenerationUsage
+
+
+class CompletionChunk(BaseModel):
+    """One `data:` event of a streamed completion (the stream ends with `[DONE]`)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: GenerationUsage | None = None
+
+
+class StreamError(BaseModel):
+    """The event a stream sends, instead of `[DONE]`, when it fails after it started."""
+
+    error: ErrorBody

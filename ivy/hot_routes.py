@@ -1,0 +1,127 @@
+"""A pure-ASGI front for Ivy's hot POST routes (embeddings, rerank, tokenize).
+
+For a small request, FastAPI's per-request machinery (its middleware layers, the
+`Request`/`Response` objects, dependency solving, the exception-handler wrappers) costs
+more CPU than everything else Ivy does: tokenizing, routing and the gRPC call together.
+These routes need none of it: their bodies are read as bytes and parsed with orjson
+anyway. `HotRoutes` answers them straight from the ASGI scope with the very same
+handlers, so status codes, bodies, error envelopes and metrics are identical; every
+other request (GETs, unknown paths, the OpenAPI document) passes through to FastAPI,
+which still declares the hot routes so /openapi.json documents them.
+
+Invariant: a hot route's answer depends only on (body, Authorization header), exactly
+the inputs `Answer`-returning handlers receive on both paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ivy.errors import BodyTooLargeError, IvyError, error_body
+from ivy.metrics import Metrics
+
+__all__ = ["Answer", "HotHandler", "HotRoutes"]
+
+log = logging.getLogger("ivy")
+
+_JSON = b"application/json"
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A complete JSON response: status, body and extra headers."""
+
+    status: int
+    body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+# (raw body, Authorization header or "") -> the answer; raises IvyError for client errors.
+HotHandler = Callable[[bytes, str], Awaitable[Answer]]
+
+
+class _Disconnected(Exception):
+    """The client went away before its body arrived: nobody is left to answer."""
+
+
+class HotRoutes:
+    """Serves ``POST`` on the paths of ``handlers`` itself; the rest goes to ``app``."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        handlers: Mapping[str, HotHandler],
+        metrics: Metrics,
+        max_body_bytes: int,
+    ) -> None:
+        self.app = app
+        self.handlers = dict(handlers)
+        self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        handler = self.handlers.get(path)
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        declared = authorization = None
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                declared = value
+            elif name == b"authorization":
+                authorization = value
+        try:
+            body = await self._read_body(receive, declared)
+            answer = await handler(body, "" if authorization is None else authorization.decode())
+        except IvyError as exc:
+            answer = Answer(exc.status, exc.body(), exc.headers or {})
+        except _Disconnected:
+            self._count(path, 499, start)
+            return
+        except Exception:
+            log.exception("ivy: unexpected error on %s", path)
+            body = error_body(
+                "The server had an error processing your request.", "server_error", None, None
+            )
+            answer = Answer(500, body)
+        headers = [(b"content-type", _JSON), (b"content-length", str(len(answer.body)).encode())]
+        headers += [(k.lower().encode(), v.encode("latin-1")) for k, v in answer.headers.items()]
+        try:
+            await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+            await send({"type": "http.response.body", "body": answer.body})
+        finally:
+            self._count(path, answer.status, start)
+
+    async def _read_body(self, receive: Receive, declared: bytes | None) -> bytes:
+        limit = self.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise BodyTooLargeError(f"The request body exceeds {limit} bytes.")
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise BodyTooLargeError(f"The request body exceeds {limit} bytes.")
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _count(self, route: str, status: int, start: float) -> None:
+        self.metrics.requests.labels(route=route, status=str(status)).inc()
+        self.metrics.request_seconds.labels(route=route).observe(time.perf_counter() - start)

@@ -1,0 +1,764 @@
+"""End to end: OpenAI chat completions and completions through Ivy to Tulip replicas
+running the real SmolLM2-135M-Instruct weights, driven by the official `openai` client and
+raw HTTP, checked against `transformers` greedy decoding in this process.
+
+One `trellis up` cluster (2 replicas) serves the module. A second Ivy process, pointed
+at the same replicas, also serves an embedding model, for the wrong-kind errors. The test
+that kills a replica mid-stream runs last because it changes the cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from ivy.cluster import free_port
+
+MODEL = "smollm2-135m-instruct"
+EMBEDDER = "multilingual-e5-small"
+CHAT = [
+    {"role": "system", "content": "You are a concise assistant."},
+    {"role": "user", "content": "Name three colours of the rainbow."},
+]
+PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5,", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from rose.assets import ensure_model
+
+    return Path(ensure_model(MODEL))
+
+
+@dataclass
+class UpCluster:
+    proc: subprocess.Popen[str]
+    base_url: str
+    name: str
+    replica_addresses: list[str]
+    output: list[str]
+
+    def children(self) -> dict[int, str]:
+        pids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        out = {}
+        for pid in pids:
+            with contextlib.suppress(FileNotFoundError):
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                out[int(pid)] = cmd
+        return out
+
+    def replicas(self) -> dict[int, str]:
+        """pid -> command line of each running Tulip."""
+        return {pid: cmd for pid, cmd in self.children().items() if " -m tulip " in cmd}
+
+    def replica_metrics(self) -> dict[int, str]:
+        """pid -> each replica's Prometheus text (ports from the replicas' command lines)."""
+        texts = {}
+        for pid, cmd in self.replicas().items():
+            port = re.search(r"--metrics-port (\d+)", cmd)
+            assert port is not None, cmd
+            url = f"http://127.0.0.1:{port.group(1)}/metrics"
+            texts[pid] = httpx.get(url, timeout=5).text
+        return texts
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, oracle: Oracle) -> Iterator[UpCluster]:
+    """`trellis up` with the chat model: 2 replicas x 1 thread, and Ivy. (The oracle
+    fixture comes first so its child process computes while the cluster starts.)"""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ivy.cli", "up", "--model", str(model_dir), "--port", str(port)]
+        + ["--replicas", "2", "--threads-per-replica", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    lines: list[str] = []
+    up = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Trellis is up"):
+                up.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + 400
+    while not up.is_set() and proc.poll() is None and time.monotonic() < deadline:
+        up.wait(0.5)
+    if not up.is_set():
+        proc.kill()
+        pytest.fail("trellis up did not become ready:\n" + "".join(lines[-80:]))
+    time.sleep(0.2)  # let the example lines arrive
+    text = "".join(lines)
+    # A chat model gets chat examples, not embeddings.
+    assert f"curl -s http://127.0.0.1:{port}/v1/chat/completions" in text, text
+    assert "/v1/embeddings" not in text, text
+    addresses = re.search(r"thread\(s\) at (\S+), (\S+); Ivy", text)
+    assert addresses is not None, text
+    c = UpCluster(proc, f"http://127.0.0.1:{port}", model_dir.name, list(addresses.groups()), lines)
+    assert len(c.replicas()) == 2, c.children()
+    yield c
+    proc.send_signal(signal.SIGINT)
+    try:
+        code = proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert code == 0, "".join(lines[-40:])
+
+
+@pytest.fixture(scope="module")
+def base(cluster: UpCluster) -> str:
+    return cluster.base_url
+
+
+@pytest.fixture(scope="module")
+def name(cluster: UpCluster) -> str:
+    return cluster.name
+
+
+@pytest.fixture(scope="module")
+def two_model_base(cluster: UpCluster, model_dir: Path) -> Iterator[str]:
+    """A second Ivy serving the chat model (same replicas) and an embedding model (its
+    replica address is never used: the wrong-kind checks answer before routing)."""
+    from rose.assets import ensure_model
+
+    embedder = Path(ensure_model(EMBEDDER))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ivy", "--port", str(port)]
+        + ["--model", f"{cluster.name}={model_dir}", "--model", f"{EMBEDDER}={embedder}"]
+        + ["--replicas", f"{cluster.name}={','.join(cluster.replica_addresses)}"]
+        + ["--replicas", f"{EMBEDDER}=127.0.0.1:{free_port()}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, "ivy exited"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health/live", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+# Greedy decoding by `transformers` in a child process with one intra-op thread, like
+# the replicas: on shared cores several threads per process oversubscribe them badly.
+_ORACLE_SCRIPT = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+directory, budget = sys.argv[1], int(sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+eos = int(model.generation_config.eos_token_id)
+out = []
+with torch.no_grad():
+    for ids in json.load(sys.stdin):
+        row = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=budget, do_sample=False, pad_token_id=eos,
+        )[0, len(ids):].tolist()
+        out.append(row)
+json.dump({"eos": eos, "generated": out}, sys.stdout)
+"""
+ORACLE_BUDGET = 24
+TWO_PLUS_TWO = [{"role": "user", "content": "What is 2 + 2?"}]
+
+
+class Oracle:
+    """`transformers` as the reference: its chat template and tokenizer (in this process)
+    and its greedy continuations of the module's prompts (computed once, up to
+    ORACLE_BUDGET tokens; shorter budgets are prefixes of greedy decoding)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.prompts = [self.chat_ids(m) for m in (CHAT, TWO_PLUS_TWO)] + [
+            self.tokenizer(p)["input_ids"] for p in PROMPTS
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _ORACLE_SCRIPT, str(model_dir), str(ORACLE_BUDGET)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps(self.prompts))
+        self._proc.stdin.close()
+        self._table: dict[tuple[int, ...], list[int]] | None = None
+        self._eos = -1
+
+    def _generated(self, ids: list[int]) -> list[int]:
+        if self._table is None:
+            assert self._proc.stdout is not None
+            result = json.loads(self._proc.stdout.read())
+            assert self._proc.wait(60) == 0
+            self._eos = result["eos"]
+            self._table = {
+                tuple(p): g for p, g in zip(self.prompts, result["generated"], strict=True)
+            }
+        return self._table[tuple(ids)]
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        return list(out["input_ids"] if "input_ids" in out else out)
+
+    def greedy(self, ids: list[int], max_new_tokens: int) -> tuple[str, int, str]:
+        """(text, completion tokens, finish reason) of greedy decoding from ids."""
+        assert max_new_tokens <= ORACLE_BUDGET
+        new = self._generated(ids)[:max_new_tokens]
+        finish = "length"
+        if self._eos in new:
+            new = new[: new.index(self._eos)]
+            finish = "stop"
+        return self.tokenizer.decode(new, skip_special_tokens=True), len(new), finish
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir: Path) -> Iterator[Oracle]:
+    o = Oracle(model_dir)
+    yield o
+    o.close()
+
+
+def openai_client(base: str):  # noqa: ANN201
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    """The `data:` payloads of an event stream, in order."""
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = response.text.split("\n\n")
+    assert events[-1] == "", "the stream must end with a blank line"
+    assert all(e.startswith("data: ") for e in events[:-1]), events
+    return [e[len("data: ") :] for e in events[:-1]]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+# ---- chat template (no cluster) --------------------------------------------------------
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Hi"}],
+    CHAT,
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello! \u00bfQu\u00e9 tal?"},
+        {"role": "user", "content": "\u6771\u4eac\u306f\uff1f"},
+    ],
+]
+# Exercises what transformers' environment offers: loop controls, tojson, the
+# {% generation %} block, special-token variables, raise_exception and whitespace control.
+CUSTOM_TEMPLATE = """
+{%- for m in messages %}
+  {%- if m['role'] == 'system' and not loop.first %}{{ raise_exception('system goes first') }}{% endif %}
+  {%- if loop.index > 6 %}{% break %}{% endif %}
+  {%- if m['role'] == 'assistant' %}
+{% generation %}{{ m['content'] | tojson }}{% endgeneration %}{{ eos_token }}
+  {%- else %}
+{{ bos_token }}{{ m['role'] }}: {{ m['content'] | trim }}
+  {% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ bos_token }}assistant:{% endif %}"""
+
+
+def test_chat_template_renders_like_transformers(model_dir: Path, oracle: Oracle) -> None:
+    from ivy.chat_template import ChatTemplate, ChatTemplateError
+    from ivy.models import ServedModel
+
+    served = ServedModel.load(MODEL, model_dir)
+    assert served.chat_template is not None
+    tok = oracle.tokenizer
+    for messages in CONVERSATIONS:
+        want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert served.chat_template.render(messages) == want
+        # Ivy's tokenizer on the rendered text gives transformers' ids (no specials added).
+        ids, _ = served.tokenizer.encode_batch_packed([want], False, None)
+        assert ids.tolist() == oracle.chat_ids(messages)
+        without = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+        assert served.chat_template.render(messages, add_generation_prompt=False) == without
+    custom = ChatTemplate(CUSTOM_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
+    for messages in CONVERSATIONS:
+        want = tok.apply_chat_template(
+            messages,
+            chat_template=CUSTOM_TEMPLATE,
+            add_generation_prompt=True,
+            tokenize=False,
+            bos_token="<s>",
+            eos_token="</s>",
+        )
+        assert custom.render(messages) == want
+    bad = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]
+    with pytest.raises(ChatTemplateError, match="system goes first"):
+        custom.render(bad)
+    with pytest.raises(ChatTemplateError):  # the sandbox refuses attribute escapes
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render(bad)
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate("{% if %}")
+
+
+# ---- chat completions ------------------------------------------------------------------
+
+
+def test_chat_matches_transformers_greedy(base: str, name: str, oracle: Oracle) -> None:
+    client = openai_client(base)
+    ids = oracle.chat_ids(CHAT)
+    want, want_tokens, want_finish = oracle.greedy(ids, 24)
+    r = client.chat.completions.create(model=name, messages=CHAT, max_tokens=24, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.id.startswith("chatcmpl-")
+    assert r.model == name
+    assert len(r.choices) == 1
+    choice = r.choices[0]
+    assert choice.index == 0
+    assert choice.message.role == "assistant"
+    assert choice.message.content == want
+    assert choice.finish_reason == want_finish
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == want_tokens
+    assert r.usage.total_tokens == len(ids) + want_tokens
+
+
+def test_chat_stream_equals_non_stream(base: str, name: str, oracle: Oracle) -> None:
+    client = openai_client(base)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is 2 + 2?"}]}]
+    ids = oracle.chat_ids(TWO_PLUS_TWO)
+    want, want_tokens, want_finish = oracle.greedy(ids, 20)
+    whole = client.chat.completions.create(
+        model=name, messages=messages, max_completion_tokens=20, temperature=0
+    )
+    assert whole.choices[0].message.content == want
+    stream = client.chat.completions.create(
+        model=name,
+        messages=messages,
+        max_completion_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with_choices = [c for c in chunks if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    assert text == whole.choices[0].message.content == want
+    assert [c.choices[0].finish_reason for c in with_choices][-1] == want_finish
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    assert chunks[-1].choices == []
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), want_tokens)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_stream_wire_format(base: str, name: str) -> None:
+    body = {"model": name, "messages": CHAT, "max_tokens": 4, "temperature": 0, "stream": True}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["cache-control"] == "no-cache"
+    events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0] == {
+        "index": 0,
+        "delta": {},
+        "logprobs": None,
+        "finish_reason": "length",
+    }
+    assert all("usage" not in c for c in chunks)  # only with stream_options.include_usage
+
+
+def test_max_tokens_finishes_with_length(base: str, name: str, oracle: Oracle) -> None:
+    client = openai_client(base)
+    r = client.chat.completions.create(model=name, messages=CHAT, max_tokens=3, temperature=0)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 3
+    want, _, _ = oracle.greedy(oracle.chat_ids(CHAT), 3)
+    assert r.choices[0].message.content == want
+
+
+def test_seeded_sampling_repeats(base: str, name: str) -> None:
+    client = openai_client(base)
+    args: dict[str, Any] = {"model": name, "messages": CHAT, "max_tokens": 12}
+    a = client.chat.completions.create(**args, temperature=1.0, seed=1234)
+    b = client.chat.completions.create(**args, temperature=1.0, seed=1234)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.completion_tokens >= 1
+
+
+# ---- completions -----------------------------------------------------------------------
+
+
+def test_completions_list_of_prompts_in_order(base: str, name: str, oracle: Oracle) -> None:
+    client = openai_client(base)
+    want = [oracle.greedy(oracle.tokenizer(p)["input_ids"], 8) for p in PROMPTS]
+    r = client.completions.create(model=name, prompt=PROMPTS, max_tokens=8, temperature=0)
+    assert r.object == "text_completion"
+    assert r.id.startswith("cmpl-")
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [w[0] for w in want]
+    assert [c.finish_reason for c in r.choices] == [w[2] for w in want]
+    prompt_tokens = sum(len(oracle.tokenizer(p)["input_ids"]) for p in PROMPTS)
+    assert r.usage.prompt_tokens == prompt_tokens
+    assert r.usage.completion_tokens == sum(w[1] for w in want)
+    # Token ids give the same answers as the texts they encode.
+    ids = [oracle.tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    by_ids = client.completions.create(model=name, prompt=ids, max_tokens=8, temperature=0)
+    assert [c.text for c in by_ids.choices] == [w[0] for w in want[:2]]
+    single = client.completions.create(model=name, prompt=ids[1], max_tokens=8, temperature=0)
+    assert single.choices[0].text == want[1][0]
+
+
+def test_completions_default_max_tokens_is_16(base: str, name: str) -> None:
+    r = httpx.post(
+        f"{base}/v1/completions",
+        json={"model": name, "prompt": "1, 2, 3, 4, 5,", "temperature": 0},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 16
+
+
+def test_completions_stream_several_prompts(base: str, name: str, oracle: Oracle) -> None:
+    client = openai_client(base)
+    want = [oracle.greedy(oracle.tokenizer(p)["input_ids"], 6)[0] for p in PROMPTS[:2]]
+    stream = client.completions.create(
+        model=name,
+        prompt=PROMPTS[:2],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    texts = ["", ""]
+    finished = [None, None]
+    usage = None
+    for chunk in stream:
+        assert chunk.object == "text_completion"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            assert finished[choice.index] is None, "text after the finish"
+            texts[choice.index] += choice.text
+            finished[choice.index] = choice.finish_reason
+    assert texts == want
+    assert finished == ["length", "length"]
+    assert usage is not None and usage.completion_tokens == 12
+
+
+def test_stop_strings(base: str, name: str, oracle: Oracle) -> None:
+    client = openai_client(base)
+    prompt = PROMPTS[1]
+    full, _, _ = oracle.greedy(oracle.tokenizer(prompt)["input_ids"], 16)
+    cut = len(full) // 2
+    stop = full[cut : cut + 3]
+    assert stop.strip(), full
+    expected = full[: full.find(stop)]
+    for stops in (stop, [stop, "never-appears"]):
+        r = client.completions.create(
+            model=name, prompt=prompt, max_tokens=16, temperature=0, stop=stops
+        )
+        assert r.choices[0].text == expected
+        assert r.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model=name, prompt=prompt, max_tokens=16, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+    chat = client.chat.completions.create(
+        model=name, messages=CHAT, max_tokens=24, temperature=0, stop=["blue", "Blue"]
+    )
+    content = chat.choices[0].message.content
+    assert "blue" not in content.lower()
+    whole, _, _ = oracle.greedy(oracle.chat_ids(CHAT), 24)
+    if "blue" in whole.lower():
+        assert chat.choices[0].finish_reason == "stop"
+        assert whole.startswith(content)
+
+
+# ---- errors ------------------------------------------------------------------------------
+
+
+def _error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"] == "application/json"
+    body = r.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_bad_inputs_get_openai_errors(base: str, name: str) -> None:
+    chat = {"model": name, "messages": CHAT, "max_tokens": 2}
+    comp = {"model": name, "prompt": "hello", "max_tokens": 2}
+    cases: list[tuple[str, Any, str | None, str | None]] = [
+        # route, body, param, code  (all 400)
+        ("chat", {**chat, "n": 2}, "n", None),
+        ("chat", {**chat, "messages": []}, "messages", None),
+        ("chat", {**chat, "messages": [{"role": "tool", "content": "x"}]}, "messages", None),
+        ("chat", {**chat, "messages": [{"role": "user", "content": 5}]}, "messages", None),
+        ("chat", {**chat, "messages": [{"role": "user"}]}, "messages", None),
+        ("chat", {**chat, "temperature": "hot"}, "temperature", None),
+        ("chat", {**chat, "temperature": 2.5}, "temperature", None),
+        ("chat", {**chat, "top_p": 1.5}, "top_p", None),
+        ("chat", {**chat, "max_tokens": 0}, "max_tokens", None),
+        ("chat", {**chat, "stop": ["a", "b", "c", "d", "e"]}, "stop", None),
+        ("chat", {**chat, "stream": "yes"}, "stream", None),
+        ("chat", {**chat, "stream_options": {"include_usage": True}}, "stream_options", None),
+        ("chat", {**chat, "logprobs": True}, "logprobs", None),
+        ("chat", {**chat, "max_tokens": 10_000}, "messages", "context_length_exceeded"),
+        ("comp", {**comp, "echo": True}, "echo", None),
+        ("comp", {**comp, "n": 3}, "n", None),
+        ("comp", {**comp, "prompt": []}, "prompt", None),
+        ("comp", {**comp, "prompt": [1.5]}, "prompt", None),
+        ("comp", {**comp, "prompt": [[1], "x"]}, "prompt", None),
+        (
+            "chat",
+            {**chat, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages",
+            None,
+        ),
+        ("comp", {**comp, "prompt": [49152]}, "prompt", None),
+        ("comp", {**comp, "prompt": [1] * 8192}, "prompt", "context_length_exceeded"),
+        (
+            "comp",
+            {**comp, "prompt": [1] * 8000, "max_tokens": 500},
+            "prompt",
+            "context_length_exceeded",
+        ),
+        ("comp", {**comp, "prompt": ""}, "prompt", None),
+        ("comp", {**comp, "seed": "7"}, "seed", None),
+    ]
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for route, body, param, code in cases:
+            path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+            for stream in (False, True):
+                sent = dict(body)
+                if stream and "stream" not in body and "stream_options" not in body:
+                    sent["stream"] = True
+                err = _error(http.post(path, json=sent), 400)
+                assert err["type"] == "invalid_request_error", (body, err)
+                assert err["param"] == param, (body, err)
+                assert err["code"] == code, (body, err)
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            err = _error(http.post(path, content=b"{not json"), 400)
+            assert err["type"] == "invalid_request_error"
+            err = _error(http.post(path, json={**chat, **comp, "model": "nope"}), 404)
+            assert (err["code"], err["param"]) == ("model_not_found", "model")
+        # The worker still serves after all of that.
+        r = http.post("/v1/completions", json={**comp, "temperature": 0})
+        assert r.status_code == 200, r.text
+
+
+def test_openai_client_errors(base: str, name: str) -> None:
+    from openai import BadRequestError, NotFoundError
+
+    client = openai_client(base)
+    with pytest.raises(NotFoundError) as missing:
+        client.chat.completions.create(model="no-such-model", messages=CHAT)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(BadRequestError) as many:
+        client.chat.completions.create(model=name, messages=CHAT, n=2)
+    assert many.value.param == "n"
+
+
+def test_wrong_model_kind(two_model_base: str, name: str) -> None:
+    with httpx.Client(base_url=two_model_base, timeout=60) as http:
+        for path, body in (
+            ("/v1/chat/completions", {"messages": CHAT}),
+            ("/v1/completions", {"prompt": "hello"}),
+        ):
+            err = _error(http.post(path, json={"model": EMBEDDER, **body}), 400)
+            assert err["param"] == "model"
+            assert "does not generate" in err["message"]
+        err = _error(http.post("/v1/embeddings", json={"model": name, "input": "hi"}), 400)
+        assert err["param"] == "model"
+        # The same gateway generates with the chat model.
+        deadline = time.monotonic() + 30
+        while True:
+            r = http.post(
+                "/v1/completions",
+                json={"model": name, "prompt": "Hello", "max_tokens": 2, "temperature": 0},
+            )
+            if r.status_code != 503 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # replicas still being health-checked
+        assert r.status_code == 200, r.text
+
+
+# ---- disconnects, documentation, metrics -------------------------------------------------
+
+
+def _wait_replicas_idle(cluster: UpCluster, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        texts = cluster.replica_metrics().values()
+        active = sum(metric(t, "tulip_active_sequences") for t in texts)
+        free = sum(metric(t, "tulip_kv_pages_free") for t in texts)
+        pages = sum(metric(t, "tulip_kv_pages") for t in texts)
+        if active == 0 and free == pages:
+            return
+        assert time.monotonic() < deadline, f"replicas still busy: {active} sequences"
+        time.sleep(0.2)
+
+
+def test_disconnecting_clients_cancel_generation(
+    base: str,
+    name: str,
+    cluster: UpCluster,
+) -> None:
+    _wait_replicas_idle(cluster)
+    before = httpx.get(f"{base}/metrics").text
+    cancelled0 = metric(before, "ivy_generations_total", model=name, outcome="cancelled")
+    body = {"model": name, "prompt": "1, 2, 3,", "max_tokens": 4000, "temperature": 0}
+    # A streaming client that reads two events and hangs up.
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", f"{base}/v1/completions", json={**body, "stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        seen = 0
+        for line in lines:
+            if line.startswith("data: "):
+                seen += 1
+                if seen == 2:
+                    break
+    # A non-streaming client that gives up waiting.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    _wait_replicas_idle(cluster)
+    deadline = time.monotonic() + 10
+    while True:
+        after = httpx.get(f"{base}/metrics").text
+        cancelled = metric(after, "ivy_generations_total", model=name, outcome="cancelled")
+        if cancelled >= cancelled0 + 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert cancelled == cancelled0 + 2
+    # The abandoned non-streamed request is logged as 499, not as a server error.
+    assert metric(after, "ivy_requests_total", route="/v1/completions", status="499") == 1
+    assert metric(after, "ivy_requests_total", status="500") == 0
+    assert metric(after, "ivy_replica_outstanding_tokens", model=name) == 0
+    # The next request is served normally.
+    r = httpx.post(f"{base}/v1/completions", json={**body, "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_openapi_documents_generation(base: str, name: str) -> None:
+    schema = httpx.get(f"{base}/openapi.json").json()
+    components = schema["components"]["schemas"]
+    for path, request in (
+        ("/v1/chat/completions", "ChatCompletionRequest"),
+        ("/v1/completions", "CompletionRequest"),
+    ):
+        op = schema["paths"][path]["post"]
+        ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref == f"#/components/schemas/{request}"
+        assert components[request]["properties"]["model"]["enum"] == [name]
+        assert "text/event-stream" in op["responses"]["200"]["content"]
+        assert {"400", "404", "429", "503"} <= set(op["responses"])
+    props = components["ChatCompletionRequest"]["properties"]
+    assert {"messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stream"} <= set(
+        props
+    )
+    assert "ChatCompletionChunk" in components and "StreamError" in components
+
+
+def test_metrics_count_generation(base: str, name: str) -> None:
+    text = httpx.get(f"{base}/metrics").text
+    assert metric(text, "ivy_requests_total", route="/v1/chat/completions", status="200") >= 3
+    assert metric(text, "ivy_requests_total", route="/v1/completions", status="200") >= 3
+    assert metric(text, "ivy_requests_total", route="/v1/completions", status="400") >= 1
+    assert metric(text, "ivy_request_duration_seconds_count", route="/v1/chat/completions") >= 3
+    assert metric(text, "ivy_time_to_first_token_seconds_count", model=name) >= 6
+    assert metric(text, "ivy_generated_tokens_total", model=name) >= 50
+    assert metric(text, "ivy_generations_total", model=name, outcome="length") >= 3
+    assert metric(text, "ivy_generations_total", model=name, outcome="stop") >= 1
+
+
+# ---- last: changes the cluster -----------------------------------------------------------
+
+
+def test_replica_dying_mid_stream_sends_an_error_event(
+    base: str,
+    name: str,
+    cluster: UpCluster,
+) -> None:
+    from openai import APIError
+
+    _wait_replicas_idle(cluster)
+    client = openai_client(base)
+    stream = client.completions.create(
+        model=name, prompt="1, 2, 3,", max_tokens=4000, temperature=0, stream=True
+    )
+    chunks = iter(stream)
+    next(chunks)
+    # Kill the replica that holds the sequence.
+    busy = [
+        pid
+        for pid, text in cluster.replica_metrics().items()
+        if metric(text, "tulip_active_sequences") > 0
+    ]
+    assert len(busy) == 1, busy
+    os.kill(busy[0], signal.SIGKILL)
+    with pytest.raises(APIError) as info:
+        for _ in chunks:
+            pass
+    assert "replica" in str(info.value.message).lower()
+    # Requests keep being served: routed (or retried before their first token) to the
+    # surviving replica while the dead one is noticed and restarted.
+    for _ in range(4):
+        r = client.completions.create(model=name, prompt="Hello", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2
