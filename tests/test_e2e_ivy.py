@@ -9,7 +9,6 @@ changes the cluster.
 from __future__ import annotations
 
 import base64
-import contextlib
 import os
 import re
 import signal
@@ -19,15 +18,13 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 from tokenizers import Tokenizer
-
-from ivy.cluster import free_port
+from up_cluster import UpCluster, start_up, stop_up
 
 MODEL = "multilingual-e5-small"
 TEXTS = [
@@ -49,87 +46,24 @@ def model_dir() -> Path:
     return Path(ensure_model(MODEL))
 
 
-@dataclass
-class UpCluster:
-    """A running `trellis up` process and what it printed."""
-
-    proc: subprocess.Popen[str]
-    base_url: str
-    name: str
-    replica_addresses: list[str]
-    output: list[str]
-
-    def children(self) -> dict[int, str]:
-        """pid -> command line of the processes `trellis up` started."""
-        pids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        out = {}
-        for pid in pids:
-            with contextlib.suppress(FileNotFoundError):
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                out[int(pid)] = cmd
-        return out
-
-    def replica_pid(self, address: str) -> int:
-        port = address.rpartition(":")[2]
-        for pid, cmd in self.children().items():
-            if " -m tulip " in cmd and f"--port {port} " in cmd:
-                return pid
-        raise LookupError(address)
-
-
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path) -> Iterator[UpCluster]:
     """`trellis up` exactly as `make run` starts it (other model directory, free port)."""
-    port = free_port()
-    env = dict(os.environ, IVY_MAX_BODY_BYTES=str(MAX_BODY), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ivy.cli", "up", "--model", str(model_dir), "--port", str(port)]
-        + ["--replicas", "2", "--threads-per-replica", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    lines: list[str] = []
-    up = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("Trellis is up"):
-                up.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + 400
-    while not up.is_set() and proc.poll() is None and time.monotonic() < deadline:
-        up.wait(0.5)
-    if not up.is_set():
-        proc.kill()
-        pytest.fail("trellis up did not become ready:\n" + "".join(lines[-80:]))
-    text = "".join(lines)
-    assert f"curl -s http://127.0.0.1:{port}/v1/embeddings" in text
-    assert f"curl -s http://127.0.0.1:{port}/v1/rerank" in text
-    addresses = re.search(r"thread\(s\) at (\S+), (\S+); Ivy", text)
-    assert addresses is not None, text
-    c = UpCluster(proc, f"http://127.0.0.1:{port}", model_dir.name, list(addresses.groups()), lines)
+    c = start_up(model_dir, env={"IVY_MAX_BODY_BYTES": str(MAX_BODY)})
+    assert f"curl -s {c.base_url}/v1/embeddings" in c.text
+    assert f"curl -s {c.base_url}/v1/rerank" in c.text
     children = c.children()
     assert sum(" -m tulip " in cmd for cmd in children.values()) == 2, children
     assert sum(" -m ivy " in cmd for cmd in children.values()) == 1, children
     yield c
     # Ctrl-C: everything drains and stops, and `trellis up` exits cleanly.
-    proc.send_signal(signal.SIGINT)
-    try:
-        code = proc.wait(90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
+    code = stop_up(c)
     for pid in children:
         assert (
             not Path(f"/proc/{pid}").exists()
             or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
         ), f"child {pid} still running"
-    assert code == 0, "".join(lines[-40:])
+    assert code == 0, "".join(c.output[-40:])
 
 
 @pytest.fixture(scope="module")

@@ -12,19 +12,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from up_cluster import UpCluster, start_up, stop_up
 
 from ivy.cluster import free_port
 
@@ -44,86 +42,17 @@ def model_dir() -> Path:
     return Path(ensure_model(MODEL))
 
 
-@dataclass
-class UpCluster:
-    proc: subprocess.Popen[str]
-    base_url: str
-    name: str
-    replica_addresses: list[str]
-    output: list[str]
-
-    def children(self) -> dict[int, str]:
-        pids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        out = {}
-        for pid in pids:
-            with contextlib.suppress(FileNotFoundError):
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                out[int(pid)] = cmd
-        return out
-
-    def replicas(self) -> dict[int, str]:
-        """pid -> command line of each running Tulip."""
-        return {pid: cmd for pid, cmd in self.children().items() if " -m tulip " in cmd}
-
-    def replica_metrics(self) -> dict[int, str]:
-        """pid -> each replica's Prometheus text (ports from the replicas' command lines)."""
-        texts = {}
-        for pid, cmd in self.replicas().items():
-            port = re.search(r"--metrics-port (\d+)", cmd)
-            assert port is not None, cmd
-            url = f"http://127.0.0.1:{port.group(1)}/metrics"
-            texts[pid] = httpx.get(url, timeout=5).text
-        return texts
-
-
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, oracle: Oracle) -> Iterator[UpCluster]:
     """`trellis up` with the chat model: 2 replicas x 1 thread, and Ivy. (The oracle
     fixture comes first so its child process computes while the cluster starts.)"""
-    port = free_port()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ivy.cli", "up", "--model", str(model_dir), "--port", str(port)]
-        + ["--replicas", "2", "--threads-per-replica", "1"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-    )
-    lines: list[str] = []
-    up = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("Trellis is up"):
-                up.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    deadline = time.monotonic() + 400
-    while not up.is_set() and proc.poll() is None and time.monotonic() < deadline:
-        up.wait(0.5)
-    if not up.is_set():
-        proc.kill()
-        pytest.fail("trellis up did not become ready:\n" + "".join(lines[-80:]))
-    time.sleep(0.2)  # let the example lines arrive
-    text = "".join(lines)
+    c = start_up(model_dir)
     # A chat model gets chat examples, not embeddings.
-    assert f"curl -s http://127.0.0.1:{port}/v1/chat/completions" in text, text
-    assert "/v1/embeddings" not in text, text
-    addresses = re.search(r"thread\(s\) at (\S+), (\S+); Ivy", text)
-    assert addresses is not None, text
-    c = UpCluster(proc, f"http://127.0.0.1:{port}", model_dir.name, list(addresses.groups()), lines)
+    assert f"curl -s {c.base_url}/v1/chat/completions" in c.text, c.text
+    assert "/v1/embeddings" not in c.text, c.text
     assert len(c.replicas()) == 2, c.children()
     yield c
-    proc.send_signal(signal.SIGINT)
-    try:
-        code = proc.wait(90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert code == 0, "".join(lines[-40:])
+    assert stop_up(c) == 0, "".join(c.output[-40:])
 
 
 @pytest.fixture(scope="module")
