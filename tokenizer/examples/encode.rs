@@ -15,7 +15,7 @@ fn main() {
         "loaded in {:?}: {} trie slots ({} MiB), pages: {}",
         t0.elapsed(),
         tok.trie_nodes(),
-        (tok.trie_nodes() * 64) >> 20,
+        (tok.trie_nodes() * 16) >> 20,
         tok.page_kind()
     );
     let mut scratch = Scratch::new();

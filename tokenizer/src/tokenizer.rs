@@ -121,7 +121,7 @@ impl Tokenizer {
         self.model.trie_stats().1
     }
 
-    /// Number of node slots in the trie (each one 64-byte cache line).
+    /// Number of node slots in the trie (16 bytes each, four to a cache line).
     pub fn trie_nodes(&self) -> usize {
         self.model.trie_stats().0
     }

@@ -1,73 +1,168 @@
-//! The vocabulary trie: a double array whose check array is replaced by a 256-bit child
-//! bitmap, one 64-byte cache line per node.
+//! The vocabulary trie: a double array (Aoe) over *characters*, with 16-byte nodes.
 //!
-//! Node `n`'s child for byte `b` exists when bit `b` of `n.bitmap` is set, and then lives
-//! at index `n.base + b`. Construction places each node's children so that those slots
-//! are free (first fit), and guarantees `base + b < nodes.len()` for every set bit, which
-//! is what makes the unchecked indexing in [`Trie::step`] sound. A node that ends a
-//! vocabulary piece stores that piece's id and score, so the Viterbi loop never builds a
-//! string or hashes one.
+//! Every character that occurs in a piece gets a code `1..=alphabet` (most frequent
+//! first, so the children of most nodes sit in a narrow window); a character that occurs
+//! in no piece has code [`NO_CODE`] and matches nothing. Node `n`'s child for code `c`
+//! lives at slot `s = n.base + c`, and it is a child of `n` exactly when
+//! `nodes[s].check == n`. One transition consumes a whole character (1–4 UTF-8 bytes) and
+//! touches one 16-byte node, four of which share a cache line. Construction places each
+//! node's children so that their slots are free (first fit) and pads the array so that
+//! `base + c < nodes.len()` for every base and every code, which is what makes the
+//! unchecked indexing in [`step`] sound. A node that ends a piece carries the piece's
+//! score (the Viterbi loop needs it at every match); the piece's id lives in a side array
+//! indexed by node, read only for the pieces of the winning path.
+
+use std::collections::HashMap;
 
 use crate::pages::{PageBuf, PageKind};
 
-/// Id stored in nodes that end no piece.
+/// Id of nodes that end no piece (in the side array of ids).
 pub(crate) const NO_ID: u32 = u32::MAX;
 
-/// One trie node, exactly one cache line.
+/// Code of a character that occurs in no piece.
+pub(crate) const NO_CODE: u32 = 0;
+
+/// Bits of [`Node::check`] that hold the parent index.
+const PARENT: u32 = (1 << 24) - 1;
+
+/// `check` of a slot that holds no node: parent bits all ones (never a node index, all
+/// of which are `< PARENT`), empty child filter.
+const FREE: u32 = PARENT;
+
+/// Bit of a node's child filter (the top byte of [`Node::check`]) for code `c`.
+#[inline(always)]
+const fn filter_bit(c: u32) -> u32 {
+    1 << (24 + (c & 7))
+}
+
+/// Bit of [`Node::base`] set when the node ends a piece.
+const TERMINAL: u32 = 1 << 31;
+
+/// One trie node: 16 bytes, four to a cache line.
 #[derive(Debug, Clone, Copy)]
-#[repr(C, align(64))]
+#[repr(C, align(16))]
 pub(crate) struct Node {
-    /// Bit `b` set: a child for byte `b` exists at `base + b`.
-    pub(crate) bitmap: [u64; 4],
-    /// Score of the piece ending here (meaningless when `id == NO_ID`).
-    pub(crate) score: f64,
-    /// Offset of this node's children: the child for byte `b` lives at `base + b`.
+    /// Low 24 bits ([`PARENT`]): index of this slot's parent (all ones when free). Slot
+    /// `s` is the child of `n` for code `c` exactly when `s == n.base + c` and
+    /// `check & PARENT == n`. Top 8 bits: this node's child filter — bit `24 + c % 8` is
+    /// set when the node has a child whose code is `c` modulo 8, so most failing
+    /// transitions (always the ones from leaves) are decided without touching the slot.
+    pub(crate) check: u32,
+    /// Low 31 bits: offset of this node's children (the child for code `c` is at
+    /// `base + c`); bit 31 ([`TERMINAL`]): this node ends a piece.
     pub(crate) base: u32,
-    /// Id of the piece ending here, or [`NO_ID`].
-    pub(crate) id: u32,
+    /// Score of the piece ending here (0 when not terminal).
+    pub(crate) score: f64,
+}
+
+impl Node {
+    /// True when this node ends a vocabulary piece.
+    #[inline(always)]
+    pub(crate) fn is_terminal(&self) -> bool {
+        self.base & TERMINAL != 0
+    }
 }
 
 const EMPTY: Node = Node {
-    bitmap: [0; 4],
-    score: 0.0,
+    check: FREE,
     base: 0,
-    id: NO_ID,
+    score: 0.0,
 };
+
+/// Character → code map: a two-level table over code points (256 per block, blocks
+/// with no coded character share the all-[`NO_CODE`] block 0).
+#[derive(Debug)]
+struct CharCodes {
+    /// Block offset into `codes` for code point `cp >> 8`.
+    index: Vec<u32>,
+    /// Codes, 256 per block; block 0 is all [`NO_CODE`].
+    codes: Vec<u32>,
+}
+
+impl CharCodes {
+    /// Codes `1..` by descending count (ties by code point).
+    fn build(counts: &HashMap<char, u64>) -> Self {
+        let mut chars: Vec<(char, u64)> = counts.iter().map(|(&c, &k)| (c, k)).collect();
+        chars.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        let mut index = vec![0u32; (char::MAX as usize >> 8) + 1];
+        let mut codes = vec![NO_CODE; 256];
+        for (code, &(c, _)) in chars.iter().enumerate() {
+            let hi = c as usize >> 8;
+            if index[hi] == 0 {
+                index[hi] = codes.len() as u32;
+                codes.resize(codes.len() + 256, NO_CODE);
+            }
+            codes[index[hi] as usize + (c as usize & 255)] = code as u32 + 1;
+        }
+        Self { index, codes }
+    }
+
+    /// The code of code point `cp` ([`NO_CODE`] when no piece uses it, or `cp` is not a
+    /// code point); never more than the alphabet size.
+    #[inline(always)]
+    fn code(&self, cp: u32) -> u32 {
+        match self.index.get((cp >> 8) as usize) {
+            Some(&block) => self.codes[block as usize + (cp & 255) as usize],
+            None => NO_CODE,
+        }
+    }
+}
 
 /// A finished trie.
 #[derive(Debug)]
 pub(crate) struct Trie {
-    /// Nodes; index 0 is the root. Invariant: for every node `n` and every set bit `b`
-    /// of `n.bitmap`, `n.base as usize + b < nodes.len()`.
+    /// Nodes; index 0 is the root. Invariant: for every node `n` and every code
+    /// `c <= alphabet`, `(n.base & !TERMINAL) as usize + c < nodes.len()`.
     nodes: PageBuf<Node>,
+    /// Piece id by node index ([`NO_ID`] for nodes that end no piece).
+    ids: Vec<u32>,
+    /// Character codes (`1..=alphabet`).
+    codes: CharCodes,
 }
 
 impl Trie {
     /// Builds the trie from `(piece, id, score)`; for a piece listed twice the later
     /// entry wins (as in HF, whose piece→id map keeps the last id).
-    pub(crate) fn build(pieces: &[(&[u8], u32, f64)]) -> Self {
+    pub(crate) fn build(pieces: &[(&str, u32, f64)]) -> Self {
+        let mut counts: HashMap<char, u64> = HashMap::new();
+        for p in pieces {
+            for c in p.0.chars() {
+                *counts.entry(c).or_default() += 1;
+            }
+        }
+        let codes = CharCodes::build(&counts);
+        let alphabet = counts.len();
+        // Room past the highest base for every code.
+        let pad = alphabet + 1;
+        let coded: Vec<Vec<u32>> = pieces
+            .iter()
+            .map(|p| p.0.chars().map(|c| codes.code(c as u32)).collect())
+            .collect();
         let mut order: Vec<usize> = (0..pieces.len()).collect();
         // Stable: equal keys keep vocabulary order, so the last one is the later entry.
-        order.sort_by(|&a, &b| pieces[a].0.cmp(pieces[b].0));
-        let mut keys: Vec<(&[u8], u32, f64)> = Vec::with_capacity(order.len());
+        order.sort_by(|&a, &b| coded[a].cmp(&coded[b]));
+        let mut keys: Vec<(&[u32], u32, f64)> = Vec::with_capacity(order.len());
         for i in order {
-            let p = pieces[i];
+            let p = (&coded[i][..], pieces[i].1, pieces[i].2);
             match keys.last_mut() {
                 Some(last) if last.0 == p.0 => *last = p,
                 _ => keys.push(p),
             }
         }
-        let mut nodes: Vec<Node> = vec![EMPTY];
+        // Padded from the start, so the root's `base + c` is in bounds even with no keys.
+        let mut nodes: Vec<Node> = vec![EMPTY; pad];
+        let mut ids: Vec<u32> = vec![NO_ID; pad];
         // `free.find(i)`: the lowest free slot >= i (slot 0, the root, is taken).
         let mut free = FreeSlots::default();
         free.take(0);
         // Work list: (node index, depth, key range).
         let mut stack: Vec<(usize, usize, usize, usize)> = vec![(0, 0, 0, keys.len())];
-        let mut labels: Vec<(u8, usize, usize)> = Vec::new();
+        let mut labels: Vec<(u32, usize, usize)> = Vec::new();
         while let Some((node, depth, mut lo, hi)) = stack.pop() {
             if lo < hi && keys[lo].0.len() == depth {
-                nodes[node].id = keys[lo].1;
+                ids[node] = keys[lo].1;
                 nodes[node].score = keys[lo].2;
+                nodes[node].base |= TERMINAL;
                 lo += 1;
             }
             if lo == hi {
@@ -76,12 +171,12 @@ impl Trie {
             labels.clear();
             let mut i = lo;
             while i < hi {
-                let b = keys[i].0[depth];
+                let c = keys[i].0[depth];
                 let mut j = i + 1;
-                while j < hi && keys[j].0[depth] == b {
+                while j < hi && keys[j].0[depth] == c {
                     j += 1;
                 }
-                labels.push((b, i, j));
+                labels.push((c, i, j));
                 i = j;
             }
             // First fit: the lowest base whose slots for all labels are free.
@@ -91,27 +186,35 @@ impl Trie {
                 let base = pos - first_label;
                 if labels[1..]
                     .iter()
-                    .all(|&(b, _, _)| free.is_free(base + b as usize))
+                    .all(|&(c, _, _)| free.is_free(base + c as usize))
                 {
                     break base;
                 }
                 pos = free.find(pos + 1);
             };
-            let top = base + labels.last().map_or(0, |l| l.0 as usize) + 1;
-            if nodes.len() < top {
-                nodes.resize(top, EMPTY);
+            assert!(
+                base + pad < PARENT as usize,
+                "trie too large for 24-bit indices"
+            );
+            if nodes.len() < base + pad {
+                nodes.resize(base + pad, EMPTY);
+                ids.resize(base + pad, NO_ID);
             }
-            nodes[node].base = base as u32;
-            for &(b, _, _) in &labels {
-                nodes[node].bitmap[(b >> 6) as usize] |= 1u64 << (b & 63);
-                free.take(base + b as usize);
+            nodes[node].base |= base as u32;
+            for &(c, _, _) in &labels {
+                let slot = &mut nodes[base + c as usize].check;
+                *slot = (*slot & !PARENT) | node as u32;
+                nodes[node].check |= filter_bit(c);
+                free.take(base + c as usize);
             }
-            for &(b, l, h) in labels.iter().rev() {
-                stack.push((base + b as usize, depth + 1, l, h));
+            for &(c, l, h) in labels.iter().rev() {
+                stack.push((base + c as usize, depth + 1, l, h));
             }
         }
         Self {
             nodes: PageBuf::from_slice(&nodes),
+            ids,
+            codes,
         }
     }
 
@@ -131,16 +234,29 @@ impl Trie {
         self.nodes.as_slice()
     }
 
+    /// The code of code point `cp` ([`NO_CODE`] if no piece contains it).
+    #[inline(always)]
+    pub(crate) fn code(&self, cp: u32) -> u32 {
+        self.codes.code(cp)
+    }
+
+    /// Id of the piece ending at node `n` ([`NO_ID`] if none); `n` must be a node index.
+    #[inline]
+    pub(crate) fn id(&self, n: u32) -> u32 {
+        self.ids[n as usize]
+    }
+
     /// Id and score of exactly `key`, if it is a piece.
-    pub(crate) fn get(&self, key: &[u8]) -> Option<(u32, f64)> {
+    pub(crate) fn get(&self, key: &str) -> Option<(u32, f64)> {
         let nodes = self.nodes();
         let mut n = 0usize;
-        for &b in key {
-            // SAFETY: `n` is the root or an index returned by `step`.
-            n = unsafe { step(nodes, n, b) }?;
+        for c in key.chars() {
+            // SAFETY: `n` is the root or an index returned by `step`; the code comes
+            // from this trie's map.
+            n = unsafe { step(nodes, n, self.code(c as u32)) }?;
         }
         let node = &nodes[n];
-        (node.id != NO_ID).then_some((node.id, node.score))
+        node.is_terminal().then_some((self.ids[n], node.score))
     }
 }
 
@@ -181,23 +297,27 @@ impl FreeSlots {
     }
 }
 
-/// The child of node `n` for byte `b`, if any. The returned index is in bounds.
+/// The child of node `n` for character code `code`, if any. The returned index is in
+/// bounds.
 ///
 /// # Safety
-/// `nodes` must be a [`Trie`]'s nodes and `n < nodes.len()` (the root, 0, or an index
-/// returned by `step`). The returned index then satisfies the same condition, by the
-/// trie invariant (a set bitmap bit `b` implies `base + b < nodes.len()`).
+/// `nodes` must be a [`Trie`]'s nodes, `n < nodes.len()` (the root, 0, or an index
+/// returned by `step`), and `code` a value returned by that trie's [`Trie::code`]. The
+/// returned index then satisfies the same condition, and so does `base + code`, by the
+/// trie invariant (every base lies at least `alphabet + 1` slots below the end).
 #[inline(always)]
-pub(crate) unsafe fn step(nodes: &[Node], n: usize, b: u8) -> Option<usize> {
+pub(crate) unsafe fn step(nodes: &[Node], n: usize, code: u32) -> Option<usize> {
     debug_assert!(n < nodes.len());
     // SAFETY: the caller guarantees `n < nodes.len()`.
-    let node = unsafe { nodes.get_unchecked(n) };
-    if (node.bitmap[(b >> 6) as usize] >> (b & 63)) & 1 == 0 {
+    let parent = unsafe { nodes.get_unchecked(n) };
+    if parent.check & filter_bit(code) == 0 {
         return None;
     }
-    let child = node.base as usize + b as usize;
+    let child = (parent.base & !TERMINAL) as usize + code as usize;
     debug_assert!(child < nodes.len());
-    Some(child)
+    // SAFETY: `code <= alphabet`, so `base + code < nodes.len()` by the trie invariant.
+    let c = unsafe { nodes.get_unchecked(child) };
+    (c.check & PARENT == n as u32).then_some(child)
 }
 
 #[cfg(test)]
@@ -205,27 +325,115 @@ mod tests {
     use super::*;
 
     #[test]
-    fn node_is_one_cache_line() {
-        assert_eq!(std::mem::size_of::<Node>(), 64);
-        assert_eq!(std::mem::align_of::<Node>(), 64);
+    fn four_nodes_per_cache_line() {
+        assert_eq!(std::mem::size_of::<Node>(), 16);
+        assert_eq!(std::mem::align_of::<Node>(), 16);
     }
 
     #[test]
     fn finds_exact_pieces_and_last_duplicate_wins() {
-        let pieces: Vec<(&[u8], u32, f64)> = vec![
-            (b"ab", 0, -1.0),
-            (b"a", 1, -2.0),
-            (b"abc", 2, -3.0),
-            (b"ab", 3, -4.0),
-            (b"\xff", 4, 0.5),
+        let pieces: Vec<(&str, u32, f64)> = vec![
+            ("ab", 0, -1.0),
+            ("a", 1, -2.0),
+            ("abc", 2, -3.0),
+            ("ab", 3, -4.0),
+            ("\u{10ffff}", 4, 0.5),
+            ("▁日本", 5, -1.5),
         ];
         let trie = Trie::build(&pieces);
-        assert_eq!(trie.get(b"a"), Some((1, -2.0)));
-        assert_eq!(trie.get(b"ab"), Some((3, -4.0)));
-        assert_eq!(trie.get(b"abc"), Some((2, -3.0)));
-        assert_eq!(trie.get(b"\xff"), Some((4, 0.5)));
-        assert_eq!(trie.get(b"b"), None);
-        assert_eq!(trie.get(b"abcd"), None);
-        assert_eq!(trie.get(b""), None);
+        assert_eq!(trie.get("a"), Some((1, -2.0)));
+        assert_eq!(trie.get("ab"), Some((3, -4.0)));
+        assert_eq!(trie.get("abc"), Some((2, -3.0)));
+        assert_eq!(trie.get("\u{10ffff}"), Some((4, 0.5)));
+        assert_eq!(trie.get("▁日本"), Some((5, -1.5)));
+        assert_eq!(trie.get("▁日"), None);
+        assert_eq!(trie.get("b"), None);
+        assert_eq!(trie.get("abcd"), None);
+        assert_eq!(trie.get("x"), None);
+        assert_eq!(trie.get(""), None);
+        assert_eq!(trie.get("\0"), None);
+    }
+
+    #[test]
+    fn codes_are_dense_and_most_frequent_first() {
+        let pieces: Vec<(&str, u32, f64)> = vec![("aab", 0, -1.0), ("ba", 1, -1.0), ("é", 2, -1.0)];
+        let trie = Trie::build(&pieces);
+        assert_eq!(trie.code('a' as u32), 1);
+        assert_eq!(trie.code('b' as u32), 2);
+        assert_eq!(trie.code('é' as u32), 3);
+        assert_eq!(trie.code('z' as u32), NO_CODE);
+        assert_eq!(trie.code(0x11_0000), NO_CODE);
+        assert_eq!(trie.code(u32::MAX), NO_CODE);
+    }
+
+    /// Walks `key` code by code; `Some(node)` when every step exists.
+    fn walk(trie: &Trie, key: &str) -> Option<usize> {
+        let mut n = 0;
+        for c in key.chars() {
+            // SAFETY: `n` is the root or came from `step`; the code from the trie's map.
+            n = unsafe { step(trie.nodes(), n, trie.code(c as u32)) }?;
+        }
+        Some(n)
+    }
+
+    #[test]
+    fn transitions_exist_exactly_for_prefixes_of_pieces() {
+        // More than 8 codes, so the child filter (code % 8) has collisions to get right.
+        let words = [
+            "▁the",
+            "▁then",
+            "▁them",
+            "▁日本",
+            "▁日本語",
+            "本",
+            "abcdefghijk",
+            "kjihgfedcba",
+            "ab",
+            "ba",
+            "\u{10ffff}x",
+            "x\u{10ffff}",
+            "é",
+            "e\u{301}",
+        ];
+        let pieces: Vec<(&str, u32, f64)> = words
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (*w, i as u32, -(i as f64)))
+            .collect();
+        let trie = Trie::build(&pieces);
+        let mut prefixes = std::collections::HashSet::new();
+        for w in words {
+            for (i, _) in w.char_indices().chain([(w.len(), ' ')]) {
+                prefixes.insert(&w[..i]);
+            }
+        }
+        let alphabet: Vec<char> = "▁thenm日本語abcdefghijkx\u{10ffff}é\u{301}z"
+            .chars()
+            .collect();
+        for p in &prefixes {
+            assert!(walk(&trie, p).is_some(), "{p:?} is a prefix");
+            for &c in &alphabet {
+                let longer = format!("{p}{c}");
+                let want = prefixes.contains(longer.as_str());
+                assert_eq!(walk(&trie, &longer).is_some(), want, "{longer:?}");
+            }
+        }
+        for (i, w) in words.iter().enumerate() {
+            assert_eq!(trie.get(w), Some((i as u32, -(i as f64))));
+        }
+    }
+
+    #[test]
+    fn every_base_leaves_room_for_any_code() {
+        let pieces: Vec<(&str, u32, f64)> = vec![
+            ("\u{10ffff}\u{10ffff}", 0, -1.0),
+            ("\0", 1, -1.0),
+            ("z", 2, -1.0),
+        ];
+        let trie = Trie::build(&pieces);
+        let nodes = trie.nodes();
+        for n in nodes {
+            assert!((n.base & !TERMINAL) as usize + 3 < nodes.len());
+        }
     }
 }

@@ -1,14 +1,16 @@
 //! The Unigram model: best segmentation of one pre-token by Viterbi over the trie.
 //!
-//! The lattice is one cell per byte position; `cells[j]` holds the best path ending at
-//! byte `j` (its score, the start of its last piece and that piece's id). Positions are
-//! visited in ascending order, trie matches from each position in ascending length, and
-//! a candidate replaces a cell only when strictly better (`>`), with scores summed in
-//! `f64`, which is exactly HF `tokenizers`' `encode_optimized`. A character with no
+//! The lattice is one cell per character position (pieces start and end on character
+//! boundaries, and the trie consumes one character per step); `cells[j]` holds the best
+//! path ending before character `j` (its score, the start of its last piece and the trie
+//! node that ends it). Positions are visited in ascending order, trie matches from each
+//! position in ascending length, and a candidate replaces a cell only when strictly
+//! better (`>`), with scores summed in `f64`, which is exactly HF `tokenizers`'
+//! `encode_optimized`. A character with no
 //! one-character piece gets an unknown node scored `min_score - 10`; consecutive unknown
 //! nodes are fused into one token.
 
-use crate::trie::{step, Trie, NO_ID};
+use crate::trie::{step, Trie, NO_CODE};
 
 /// Score penalty HF and SentencePiece give an unknown character below the lowest score.
 const UNK_PENALTY: f64 = 10.0;
@@ -23,31 +25,40 @@ pub struct Unigram {
     unk_score: f64,
 }
 
-/// One lattice cell: the best path ending at this byte position.
+/// `Cell::node` of an unknown node (never a trie index: those are `< 2^31`).
+const UNK_NODE: u32 = u32::MAX;
+
+/// One lattice cell: the best path ending at this character position.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Cell {
     score: f64,
-    /// Start of the last piece, or `u32::MAX` when no path reaches here yet.
+    /// Start (character index) of the last piece, or `u32::MAX` when no path reaches
+    /// here yet.
     start: u32,
-    id: u32,
+    /// Trie node that ends the last piece (its id is looked up only when backtracking,
+    /// so the id array is read once per output token, not once per match), or
+    /// [`UNK_NODE`].
+    node: u32,
 }
 
 /// Per-call working memory of the Viterbi pass, reused across calls.
 #[derive(Debug, Default)]
 pub struct ViterbiScratch {
     cells: Vec<Cell>,
-    /// Backtracked path, last piece first: (start, end, id).
+    /// Backtracked path, last piece first: (start, end, id) in bytes.
     path: Vec<(u32, u32, u32)>,
+    /// The piece's characters: (byte start, trie code), then an end sentinel.
+    chars: Vec<(u32, u32)>,
 }
 
 impl Unigram {
     /// Builds the model from `(piece, score)` in id order.
     pub fn new(vocab: &[(String, f64)], unk_id: u32) -> Self {
         let min_score = vocab.iter().map(|v| v.1).fold(f64::INFINITY, f64::min);
-        let entries: Vec<(&[u8], u32, f64)> = vocab
+        let entries: Vec<(&str, u32, f64)> = vocab
             .iter()
             .enumerate()
-            .map(|(i, (p, s))| (p.as_bytes(), i as u32, *s))
+            .map(|(i, (p, s))| (p.as_str(), i as u32, *s))
             .collect();
         let trie = Trie::build(&entries);
         Self {
@@ -75,7 +86,7 @@ impl Unigram {
 
     /// The id HF would give the string `piece` (the last id listing it).
     pub fn piece_id(&self, piece: &str) -> Option<u32> {
-        self.trie.get(piece.as_bytes()).map(|(id, _)| id)
+        self.trie.get(piece).map(|(id, _)| id)
     }
 
     /// The unknown token's id.
@@ -89,7 +100,8 @@ impl Unigram {
     }
 
     /// Appends the ids of `piece` to `ids`; with `offsets`, also each token's byte range
-    /// in `piece`. Allocates nothing once `scratch` has grown to the piece's length.
+    /// in `piece`. `piece` is UTF-8 (other bytes give memory-safe but meaningless ids).
+    /// Allocates nothing once `scratch` has grown to the piece's length.
     pub fn encode_piece(
         &self,
         piece: &[u8],
@@ -101,72 +113,89 @@ impl Unigram {
         if n == 0 {
             return;
         }
+        // Characters: byte start and trie code of each, plus an end sentinel.
+        let chars = &mut scratch.chars;
+        chars.clear();
+        let mut p = 0usize;
+        while p < n {
+            let len = crate::normalizer::utf8_len(piece[p]).min(n - p);
+            chars.push((p as u32, self.trie.code(decode(&piece[p..p + len]))));
+            p += len;
+        }
+        let m = chars.len();
+        chars.push((n as u32, NO_CODE));
         let nodes = self.trie.nodes();
         let cells = &mut scratch.cells;
         cells.clear();
         cells.resize(
-            n + 1,
+            m + 1,
             Cell {
                 score: 0.0,
                 start: u32::MAX,
-                id: NO_ID,
+                node: UNK_NODE,
             },
         );
         cells[0].start = 0;
-        let mut pos = 0usize;
-        while pos < n {
-            let here = cells[pos].score;
-            let mblen = crate::normalizer::utf8_len(piece[pos]).min(n - pos);
+        for pos in 0..m {
+            // SAFETY: `pos < m < cells.len()`.
+            let here = unsafe { cells.get_unchecked(pos) }.score;
             let mut has_single = false;
             let mut node = 0usize;
             let mut j = pos;
-            while j < n {
-                // SAFETY: `j < n == piece.len()`.
-                let b = unsafe { *piece.get_unchecked(j) };
-                // SAFETY: `node` is the root or was returned by `step`.
-                match unsafe { step(nodes, node, b) } {
+            loop {
+                // SAFETY: `j <= m < chars.len()` (the sentinel at `m` has `NO_CODE`, which
+                // ends the loop before `j` can pass `m`).
+                let code = unsafe { chars.get_unchecked(j) }.1;
+                if code == NO_CODE {
+                    break;
+                }
+                // SAFETY: `node` is the root or was returned by `step`; `code` comes from
+                // this trie's map.
+                match unsafe { step(nodes, node, code) } {
                     Some(child) => node = child,
                     None => break,
                 }
                 j += 1;
                 // SAFETY: `step` returns in-bounds indices.
                 let t = unsafe { nodes.get_unchecked(node) };
-                if t.id != NO_ID {
+                if t.is_terminal() {
                     let cand = here + t.score;
-                    // SAFETY: `j <= n` and `cells.len() == n + 1`.
+                    // SAFETY: `j <= m` and `cells.len() == m + 1`.
                     let c = unsafe { cells.get_unchecked_mut(j) };
                     if c.start == u32::MAX || cand > c.score {
                         *c = Cell {
                             score: cand,
                             start: pos as u32,
-                            id: t.id,
+                            node: node as u32,
                         };
                     }
-                    if j - pos == mblen {
-                        has_single = true;
-                    }
+                    has_single |= j == pos + 1;
                 }
             }
             if !has_single {
                 let cand = here + self.unk_score;
-                let c = &mut cells[pos + mblen];
+                let c = &mut cells[pos + 1];
                 if c.start == u32::MAX || cand > c.score {
                     *c = Cell {
                         score: cand,
                         start: pos as u32,
-                        id: self.unk_id,
+                        node: UNK_NODE,
                     };
                 }
             }
-            pos += mblen;
         }
-        // Backtrack, last piece first.
+        // Backtrack, last piece first, in byte positions.
         let path = &mut scratch.path;
         path.clear();
-        let mut end = n;
+        let mut end = m;
         while end > 0 {
             let c = cells[end];
-            path.push((c.start, end as u32, c.id));
+            let id = if c.node == UNK_NODE {
+                self.unk_id
+            } else {
+                self.trie.id(c.node)
+            };
+            path.push((chars[c.start as usize].0, chars[end].0, id));
             end = c.start as usize;
         }
         // Emit in order, fusing runs of unknown nodes; a fused run takes the id HF's
@@ -181,9 +210,9 @@ impl Unigram {
                     k -= 1;
                     stop = path[k].1;
                 }
-                id = self
-                    .trie
-                    .get(&piece[start as usize..stop as usize])
+                id = std::str::from_utf8(&piece[start as usize..stop as usize])
+                    .ok()
+                    .and_then(|s| self.trie.get(s))
                     .map_or(self.unk_id, |(i, _)| i);
             }
             ids.push(id);
@@ -191,5 +220,18 @@ impl Unigram {
                 o.push((start, stop));
             }
         }
+    }
+}
+
+/// The code point of one UTF-8 sequence (`s` is 1–4 bytes; malformed input gives some
+/// value, never a panic).
+#[inline(always)]
+fn decode(s: &[u8]) -> u32 {
+    let b = |i: usize| (s[i] & 0x3f) as u32;
+    match s.len() {
+        1 => s[0] as u32,
+        2 => ((s[0] & 0x1f) as u32) << 6 | b(1),
+        3 => ((s[0] & 0x0f) as u32) << 12 | b(1) << 6 | b(2),
+        _ => ((s[0] & 0x07) as u32) << 18 | b(1) << 12 | b(2) << 6 | b(3),
     }
 }

@@ -2,7 +2,11 @@
 //! tokenizer.json and texts, with heap allocations counted over the measured window.
 //!
 //! `compare TOKENIZER_JSON TEXTS_JSONL [ours|hf|both] [rounds]` prints one JSON object
-//! per line. Under callgrind, `--toggle-collect=*measured_*` counts only the encode loops.
+//! per line: wall-clock p50/p99 per call and the same for the calling thread's CPU time
+//! (`CLOCK_THREAD_CPUTIME_ID`), which leaves out the time spent preempted — on a machine
+//! shared with other jobs, a call of several milliseconds is almost always preempted, so
+//! its wall-clock time grows faster than its work. Under callgrind,
+//! `--toggle-collect=*measured_*` counts only the encode loops.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
@@ -35,31 +39,66 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
+/// CPU time consumed by the calling thread, in nanoseconds.
+fn thread_cpu_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; the clock id is a Linux constant.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Wall-clock and thread-CPU nanoseconds per call.
+#[derive(Default)]
+struct Times {
+    wall: Vec<u64>,
+    cpu: Vec<u64>,
+}
+
+impl Times {
+    #[inline(always)]
+    fn time<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        let (c0, t0) = (thread_cpu_ns(), Instant::now());
+        let r = f();
+        self.wall.push(t0.elapsed().as_nanos() as u64);
+        self.cpu.push(thread_cpu_ns() - c0);
+        r
+    }
+
+    fn json(&mut self) -> String {
+        format!(
+            "\"p50_us\":{:.2},\"p99_us\":{:.2},\"cpu_p50_us\":{:.2},\"cpu_p99_us\":{:.2}",
+            pct(&mut self.wall, 0.5),
+            pct(&mut self.wall, 0.99),
+            pct(&mut self.cpu, 0.5),
+            pct(&mut self.cpu, 0.99)
+        )
+    }
+}
+
 #[inline(never)]
 fn measured_ours(
     tok: &Tokenizer,
     texts: &[String],
     s: &mut Scratch,
     out: &mut Vec<u32>,
-    times: &mut Vec<u64>,
+    times: &mut Times,
 ) -> usize {
     let mut n = 0;
     for t in texts {
-        let t0 = Instant::now();
-        tok.encode_into(t, true, None, s, out).unwrap();
-        times.push(t0.elapsed().as_nanos() as u64);
+        times.time(|| tok.encode_into(t, true, None, s, out).unwrap());
         n += black_box(out.len());
     }
     n
 }
 
 #[inline(never)]
-fn measured_hf(tok: &tokenizers::Tokenizer, texts: &[String], times: &mut Vec<u64>) -> usize {
+fn measured_hf(tok: &tokenizers::Tokenizer, texts: &[String], times: &mut Times) -> usize {
     let mut n = 0;
     for t in texts {
-        let t0 = Instant::now();
-        let e = tok.encode(t.as_str(), true).unwrap();
-        times.push(t0.elapsed().as_nanos() as u64);
+        let e = times.time(|| tok.encode(t.as_str(), true).unwrap());
         n += black_box(e.get_ids().len());
     }
     n
@@ -84,7 +123,10 @@ fn main() {
     if which != "hf" {
         let tok = Tokenizer::from_file(json).unwrap();
         let (mut s, mut out) = (Scratch::new(), Vec::new());
-        let mut times = Vec::with_capacity(texts.len() * rounds);
+        let mut times = Times {
+            wall: Vec::with_capacity(texts.len() * rounds),
+            cpu: Vec::with_capacity(texts.len() * rounds),
+        };
         // Warm-up (outside the measured functions): the scratch grows to the inputs.
         for t in &texts {
             tok.encode_into(t, true, None, &mut s, &mut out).unwrap();
@@ -96,14 +138,17 @@ fn main() {
         }
         let allocs = ALLOCS.load(Ordering::Relaxed) - before;
         println!(
-            "{{\"impl\":\"ours\",\"texts\":{},\"tokens\":{},\"p50_us\":{:.2},\"p99_us\":{:.2},\"allocs_per_call\":{:.3},\"pages\":\"{}\"}}",
-            texts.len(), tokens / texts.len(), pct(&mut times, 0.5), pct(&mut times, 0.99),
+            "{{\"impl\":\"ours\",\"texts\":{},\"tokens\":{},{},\"allocs_per_call\":{:.3},\"pages\":\"{}\"}}",
+            texts.len(), tokens / texts.len(), times.json(),
             allocs as f64 / (texts.len() * rounds) as f64, tok.page_kind()
         );
     }
     if which != "ours" {
         let tok = tokenizers::Tokenizer::from_file(json).unwrap();
-        let mut times = Vec::with_capacity(texts.len() * rounds);
+        let mut times = Times {
+            wall: Vec::with_capacity(texts.len() * rounds),
+            cpu: Vec::with_capacity(texts.len() * rounds),
+        };
         for t in &texts {
             black_box(tok.encode(t.as_str(), true).unwrap());
         }
@@ -114,8 +159,10 @@ fn main() {
         }
         let allocs = ALLOCS.load(Ordering::Relaxed) - before;
         println!(
-            "{{\"impl\":\"hf\",\"texts\":{},\"tokens\":{},\"p50_us\":{:.2},\"p99_us\":{:.2},\"allocs_per_call\":{:.3}}}",
-            texts.len(), tokens / texts.len(), pct(&mut times, 0.5), pct(&mut times, 0.99),
+            "{{\"impl\":\"hf\",\"texts\":{},\"tokens\":{},{},\"allocs_per_call\":{:.3}}}",
+            texts.len(),
+            tokens / texts.len(),
+            times.json(),
             allocs as f64 / (texts.len() * rounds) as f64
         );
     }
