@@ -1,12 +1,18 @@
-"""Speculative decoding benchmark: SmolLM2-135M-Instruct, CPU, batch 1.
+"""Speculative decoding benchmark: SmolLM2-135M-Instruct, CPU, batch 1, greedy.
 
 Methods: no speculation, n-gram prompt lookup, draft-target (the target's first layers as
-drafter). Prompt sets: chat questions and retrieval-augmented prompts whose answers quote
-the context. Every speculative run must reproduce the no-speculation greedy output token
-for token (and the chat set must answer "Paris" to its first question), so a fast but
-wrong run fails. Writes bench/results/spec.md (+ spec.png when matplotlib is installed).
+drafter) and the trained MTP/EAGLE head (`rose.spec.train_mtp`). Prompt sets: chat
+questions (held out from the head's training corpus) and retrieval-augmented prompts whose
+answers quote the context (passages + a question asking for the passage's words). Each
+prompt is declared with a phrase its no-speculation answer contains, and every speculative
+run must reproduce the no-speculation greedy output token for token, so a fast but wrong run
+fails. Writes bench/results/spec.md (+ spec.png when matplotlib is installed).
 
-    python -m bench spec [--max-tokens=64] [--threads=2] [--mtp-head=DIR]
+    python -m bench spec [--max-tokens=96] [--threads=1] [--mtp-head=DIR] [--train-head]
+
+The head is read from ``--mtp-head`` or `rose.spec.train_mtp.default_head_dir`; with
+``--train-head`` a missing head is trained first (``python -m rose.spec.train_mtp`` with the
+chat prompts below excluded from its corpus).
 """
 
 from __future__ import annotations
@@ -23,54 +29,125 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from rose.generate import GenerationEngine
     from rose.models.llama import LlamaForCausalLM
     from rose.spec.mtp import MTPHead
 
-__all__ = ["main"]
+__all__ = ["CHAT", "RAG_QUOTE", "main"]
 
 RESULTS = Path(__file__).parent / "results"
 
+# (prompt, a phrase the model's own greedy answer contains)
 CHAT = [
-    "What is the capital of France?",
-    "Explain how a rainbow forms.",
-    "Give three tips for writing clean code.",
-    "Describe a typical day of a honeybee.",
+    ("What is the capital of France?", "Paris"),
+    ("Explain how a rainbow forms.", "light"),
+    ("Give three tips for writing clean code.", "code"),
+    ("Describe a typical day of a honeybee.", "bee"),
+    ("Why do leaves change color in autumn?", "deciduous"),
+    ("How does a refrigerator keep food cold?", "refrigerat"),
+    ("Write a short poem about the ocean.", "ocean"),
+    ("What are the benefits of regular exercise?", "exercise"),
 ]
-CONTEXTS = [
+# (context passages, question, a phrase the answer quotes from the context)
+RAG_QUOTE = [
     (
-        "Python was created by Guido van Rossum and first released in 1991. Its design "
-        "philosophy emphasizes code readability with the use of significant indentation. "
-        "Python is dynamically typed and garbage-collected.",
-        "According to the context, who created Python and when was it first released? "
-        "Quote the sentence.",
+        "[1] The Eiffel Tower was completed in 1889 for the World's Fair in Paris. It is 330 "
+        "metres tall and was the tallest man-made structure in the world for 41 years.\n"
+        "[2] Gustave Eiffel's company designed and built the tower. About 300 workers "
+        "assembled its 18,038 wrought-iron parts in just over two years.",
+        "How tall is the Eiffel Tower and when was it completed? Answer by quoting passage "
+        "[1] exactly.",
+        "completed in 1889 for the World's Fair",
     ),
     (
-        "Honey never spoils because its low moisture and high acidity stop bacteria from "
-        "growing. Archaeologists have found pots of edible honey in ancient Egyptian tombs "
-        "that are over three thousand years old.",
-        "Why does honey never spoil? Answer by copying the relevant sentences from the context.",
+        "[1] To reset the router: 1. Unplug the power cable and wait ten seconds. 2. Plug the "
+        "cable back in. 3. Hold the reset button on the back for ten seconds until the power "
+        "light blinks orange. 4. Wait two minutes for the router to restart. 5. Connect to "
+        "the default network printed on the label.\n"
+        "[2] The router's warranty lasts two years from the date of purchase.",
+        "How do I reset the router? Copy the numbered steps from passage [1] exactly.",
+        "Wait two minutes for the router to restart",
     ),
     (
-        "The Moon is about 384,400 kilometres from Earth. It always shows the same face to "
-        "Earth because its rotation period equals its orbital period, a state called tidal "
-        "locking.",
-        "Repeat the context word for word.",
+        "[1] The library is open Monday to Friday from 9 am to 8 pm, and on Saturday from "
+        "10 am to 4 pm. It is closed on Sundays and public holidays. Members can borrow up to "
+        "ten books at a time for three weeks, and can renew each loan twice online.\n"
+        "[2] The library was built in 1902 with a gift from a local merchant.",
+        "What are the library's opening hours and lending rules? Quote passage [1] word for word.",
+        "borrow up to ten books at a time",
     ),
     (
-        "The Amazon rainforest covers about 5.5 million square kilometres. It spans nine "
-        "countries, with the majority of the forest contained within Brazil, followed by "
-        "Peru and Colombia.",
-        "Quote the context's description of where the Amazon rainforest is.",
+        "[1] Symptoms of dehydration include: thirst; dark yellow urine; dizziness or "
+        "light-headedness; tiredness; a dry mouth, lips and eyes; and passing urine fewer than "
+        "four times a day.\n"
+        "[2] Older adults and young children are at higher risk of dehydration.",
+        "What are the symptoms of dehydration? Copy the list from passage [1] exactly.",
+        "dark yellow urine",
+    ),
+    (
+        "[1] To make a cup of tea, boil fresh water, pour it over a tea bag in a cup, and let "
+        "it steep for three to five minutes. Remove the tea bag and add milk or sugar if you "
+        "like.\n"
+        "[2] Green tea should be made with water that is not quite boiling.",
+        "How do I make a cup of tea? Copy the steps from the context word for word.",
+        "steep for three to five minutes",
+    ),
+    (
+        "[1] The human heart has four chambers: the left atrium, the right atrium, the left "
+        "ventricle and the right ventricle. The right side pumps blood to the lungs, and the "
+        "left side pumps blood to the rest of the body.\n"
+        "[2] An adult heart beats about 60 to 100 times per minute at rest.",
+        "What are the chambers of the heart? Quote passage [1] exactly.",
+        "the left atrium, the right atrium",
+    ),
+    (
+        "[1] Pancakes: whisk 200 g of flour, 2 eggs and 300 ml of milk into a smooth batter. "
+        "Heat a little oil in a frying pan over a medium heat. Pour in a ladle of batter and "
+        "tilt the pan to spread it. Cook for one minute on each side until golden, then serve "
+        "with lemon and sugar.\n"
+        "[2] Pancake Day falls on the Tuesday before Lent.",
+        "What is the pancake recipe? Copy passage [1] word for word.",
+        "Pour in a ladle of batter",
+    ),
+    (
+        "[1] Before a fire drill, staff must: close all windows and doors; switch off "
+        "electrical equipment; leave personal belongings behind; walk, do not run, to the "
+        "nearest exit; and gather at the assembly point in the north car park.\n"
+        "[2] Fire drills take place every six months.",
+        "What must staff do in a fire drill? Quote the instructions from passage [1] exactly.",
+        "assembly point in the north car park",
+    ),
+    (
+        "[1] The Great Barrier Reef is the world's largest coral reef system. It is composed "
+        "of over 2,900 individual reefs and 900 islands stretching for over 2,300 kilometres "
+        "off the coast of Queensland, Australia.\n"
+        "[2] The reef is threatened by rising sea temperatures, which cause coral bleaching.",
+        "What is the Great Barrier Reef? Quote passage [1] word for word.",
+        "world's largest coral reef system",
+    ),
+    (
+        "[1] To plant a tree, dig a hole twice as wide as the root ball and just as deep. "
+        "Loosen the roots, set the tree in the hole so that the top of the root ball is level "
+        "with the ground, fill the hole with soil, and water it well. Spread mulch around the "
+        "base, keeping it away from the trunk.\n"
+        "[2] Autumn and early spring are the best seasons for planting.",
+        "How do I plant a tree? Copy the instructions from passage [1] exactly.",
+        "top of the root ball is level with the ground",
     ),
 ]
+NGRAM = {"method": "ngram", "ngram_min": 3, "ngram_max": 4}
 METHODS: dict[str, dict[str, Any]] = {
     "none": {"method": "none"},
-    "ngram k=4": {"method": "ngram", "num_draft_tokens": 4},
-    "ngram k=4 n>=3": {"method": "ngram", "num_draft_tokens": 4, "ngram_min": 3, "ngram_max": 4},
-    "ngram k=8 n>=3": {"method": "ngram", "num_draft_tokens": 8, "ngram_min": 3, "ngram_max": 4},
+    "ngram k=4": {**NGRAM, "num_draft_tokens": 4},
+    "ngram k=12 adaptive": {**NGRAM, "num_draft_tokens": 12, "adaptive_k": True},
     "draft 6L k=3": {"method": "draft", "num_draft_tokens": 3},
 }
+MTP_METHODS: dict[str, dict[str, Any]] = {
+    "mtp k=3": {"method": "mtp", "num_draft_tokens": 3},
+    "mtp k=4 adaptive": {"method": "mtp", "num_draft_tokens": 4, "adaptive_k": True},
+}
 DRAFT_LAYERS = 6
+BARS = {("chat", "mtp"): 1.5, ("rag-quote", "ngram"): 1.8}
 
 
 @dataclass
@@ -95,51 +172,117 @@ def _flag(argv: list[str], name: str, default: int) -> int:
     return default
 
 
-def _run(
+def _engine(
     model: LlamaForCausalLM,
-    drafter: LlamaForCausalLM,
+    drafter: LlamaForCausalLM | None,
     head: MTPHead | None,
-    prompts: list[list[int]],
     spec: dict[str, Any],
-    max_tokens: int,
-) -> tuple[float, int, list[float], list[list[int]], dict[str, Any]]:
+) -> GenerationEngine:
     from rose.generate import GenerationConfig, GenerationEngine
-    from rose.sampling import SamplingParams
     from rose.spec import SpecConfig
 
-    cfg = GenerationConfig(max_batch=1, spec=SpecConfig(**spec))
-    eng = GenerationEngine(
+    return GenerationEngine(
         model,
-        cfg,
+        GenerationConfig(max_batch=1, spec=SpecConfig(**spec)),
         drafter=drafter if spec["method"] == "draft" else None,
         mtp_head=head if spec["method"] == "mtp" else None,
         eos_ids=model.config.eos_token_ids,
     )
-    params = SamplingParams(max_tokens=max_tokens)
-    total_s, total_tok, itl, outs = 0.0, 0, [], []
-    for p in prompts:
-        eng.add(p, params)
-        out: list[int] = []
-        first = True
-        while eng.has_unfinished():
-            t0 = time.perf_counter()
-            [step] = eng.step()
-            dt = time.perf_counter() - t0
-            out.extend(step.new_ids)
-            if first:  # prefill + first token: time to first token, not inter-token
-                first = False
-                continue
-            total_s += dt
-            total_tok += len(step.new_ids)
-            if step.new_ids:  # a step that only met EOS emits nothing
-                itl.extend([dt * 1e3 / len(step.new_ids)] * len(step.new_ids))
-        outs.append(out)
-    return total_s, total_tok, itl, outs, eng.stats.as_dict()
+
+
+def _one(
+    eng: GenerationEngine, prompt: list[int], max_tokens: int
+) -> tuple[float, list[float], list[int]]:
+    """Generate one prompt: (seconds after the first token, per-token ITL ms, output)."""
+    from rose.sampling import SamplingParams
+
+    eng.add(prompt, SamplingParams(max_tokens=max_tokens))
+    out: list[int] = []
+    itl: list[float] = []
+    total = 0.0
+    first = True
+    while eng.has_unfinished():
+        t0 = time.perf_counter()
+        [step] = eng.step()
+        dt = time.perf_counter() - t0
+        out.extend(step.new_ids)
+        if first:  # prefill + first token: time to first token, not inter-token
+            first = False
+            continue
+        total += dt
+        if step.new_ids:  # a step that only met EOS emits nothing
+            itl.extend([dt * 1e3 / len(step.new_ids)] * len(step.new_ids))
+    return total, itl, out
+
+
+def _run_set(
+    engines: dict[str, GenerationEngine], prompts: list[list[int]], max_tokens: int, set_name: str
+) -> list[Run]:
+    """Every method on every prompt, methods interleaved per prompt, so that load changes
+    on this shared machine hit all methods alike."""
+    secs = dict.fromkeys(engines, 0.0)
+    itls: dict[str, list[float]] = {m: [] for m in engines}
+    outs: dict[str, list[list[int]]] = {m: [] for m in engines}
+    for i, p in enumerate(prompts):
+        for m, eng in engines.items():
+            dt, itl, out = _one(eng, p, max_tokens)
+            secs[m] += dt
+            itls[m] += itl
+            outs[m].append(out)
+        print(f"  {set_name} prompt {i + 1}/{len(prompts)} done", flush=True)
+    runs = []
+    for m, eng in engines.items():
+        n = sum(max(0, len(o) - 1) for o in outs[m])  # tokens after the first
+        runs.append(Run(m, set_name, n, secs[m], itls[m], outs[m], eng.stats.as_dict()))
+    return runs
 
 
 def _pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _verify_costs(model: LlamaForCausalLM, sizes: tuple[int, ...]) -> dict[int, float]:
+    """Median ms of one target pass over n new tokens (logits for all n) after 200 cached
+    tokens, as a verification of n - 1 drafts costs, with the engine's row padding."""
+    from rose.kv.allocator import PageAllocator
+    from rose.kv.block_table import BlockTable
+    from rose.kv.metadata import AttentionMetadata
+
+    cache = model.new_cache(32, 16)
+    table = BlockTable(PageAllocator(32), 16)
+    table.reserve(240)
+    ids = torch.randint(
+        0, model.config.vocab_size, (216,), generator=torch.Generator().manual_seed(0)
+    )
+    out: dict[int, float] = {}
+    with torch.no_grad():
+        model(ids[:200], AttentionMetadata.build([(table, 0, 200)]), cache, torch.tensor([199]))
+        for n in sizes:
+            rows = list(range(n)) + [n - 1] * (4 - n if 1 < n < 4 else 0)
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                meta = AttentionMetadata.build([(table, 200, n)])
+                model(ids[200 : 200 + n], meta, cache, torch.tensor(rows)).logits.argmax(-1)
+                times.append(time.perf_counter() - t0)
+            out[n] = statistics.median(times) * 1e3
+    return out
+
+
+def _ensure_head(head_dir: Path, train: bool) -> Path | None:
+    if (head_dir / "model.safetensors").is_file():
+        return head_dir
+    if not train:
+        return None
+    from rose.spec import train_mtp
+
+    argv = ["--out", str(head_dir), "--threads", "1"]
+    for q, _ in CHAT:
+        argv += ["--exclude", q]
+    if train_mtp.main(argv) != 0:
+        raise SystemExit("bench spec: training the MTP head failed")
+    return head_dir
 
 
 def main(argv: list[str]) -> int:
@@ -149,18 +292,22 @@ def main(argv: list[str]) -> int:
     from rose.models.llama import LlamaForCausalLM
     from rose.spec import truncated_drafter
     from rose.spec.mtp import MTPHead
+    from rose.spec.train_mtp import default_head_dir
 
-    max_tokens = _flag(argv, "max-tokens", 64)
-    head_dir = next((a.split("=", 1)[1] for a in argv if a.startswith("--mtp-head=")), None)
-    threads = _flag(argv, "threads", 2)
+    max_tokens = _flag(argv, "max-tokens", 96)
+    threads = _flag(argv, "threads", 1)
     torch.set_num_threads(threads)
+    given = next((a.split("=", 1)[1] for a in argv if a.startswith("--mtp-head=")), None)
+    head_path = _ensure_head(
+        Path(given) if given else default_head_dir("smollm2-135m-instruct"), "--train-head" in argv
+    )
     path = ensure_model("smollm2-135m-instruct")
     model = LlamaForCausalLM.from_pretrained(path)
     drafter = truncated_drafter(model, DRAFT_LAYERS)
-    head = MTPHead.load(head_dir) if head_dir else None
+    head = MTPHead.load(head_path) if head_path else None
     methods = dict(METHODS)
     if head is not None:
-        methods["mtp k=3"] = {"method": "mtp", "num_draft_tokens": 3}
+        methods.update(MTP_METHODS)
     tok = transformers.AutoTokenizer.from_pretrained(path)
 
     def chat(text: str) -> list[int]:
@@ -170,47 +317,59 @@ def main(argv: list[str]) -> int:
         return list(ids if isinstance(ids, list) else ids["input_ids"])
 
     sets = {
-        "chat": [chat(q) for q in CHAT],
-        "rag-quote": [chat(f"Context: {c}\n\nQuestion: {q}") for c, q in CONTEXTS],
+        "chat": [(chat(q), want) for q, want in CHAT],
+        "rag-quote": [(chat(f"Context:\n{c}\n\nQuestion: {q}"), want) for c, q, want in RAG_QUOTE],
     }
     # warm-up (allocator, first-call kernels)
-    _run(model, drafter, head, [sets["chat"][0]], {"method": "none"}, 4)
+    _one(_engine(model, None, None, {"method": "none"}), sets["chat"][0][0], 4)
+    costs = _verify_costs(model, (1, 2, 3, 4, 5, 6, 8, 10, 12, 16))
+    print("verify ms by tokens: " + ", ".join(f"{n}: {c:.1f}" for n, c in costs.items()))
 
     runs: list[Run] = []
     failures: list[str] = []
-    for set_name, prompts in sets.items():
-        base: list[list[int]] | None = None
-        for name, spec in methods.items():
-            s, n, itl, outs, stats = _run(model, drafter, head, prompts, spec, max_tokens)
-            runs.append(Run(name, set_name, n, s, itl, outs, stats))
-            print(f"  {set_name:10s} {name:14s} {n / s:7.1f} tok/s", flush=True)
-            if base is None:
-                base = outs
-            elif outs != base:
-                failures.append(f"{set_name}/{name}: output differs from no-speculation greedy")
-        if set_name == "chat" and base is not None and "Paris" not in tok.decode(base[0]):
-            failures.append("chat: the model did not answer 'Paris'")
+    for set_name, cases in sets.items():
+        engines = {name: _engine(model, drafter, head, spec) for name, spec in methods.items()}
+        set_runs = _run_set(engines, [p for p, _ in cases], max_tokens, set_name)
+        runs += set_runs
+        base = set_runs[0].outputs
+        for r in set_runs:
+            print(f"  {set_name:10s} {r.method:20s} {r.tokens_per_s:7.1f} tok/s", flush=True)
+            if r.outputs != base:
+                failures.append(f"{set_name}/{r.method}: output differs from no-speculation greedy")
+        for (_, want), out in zip(cases, base, strict=True):
+            if want not in tok.decode(out):
+                failures.append(f"{set_name}: an answer lacks the expected {want!r}")
 
-    _write(runs, failures, max_tokens, threads, head_dir)
+    _write(runs, failures, max_tokens, threads, head_path, costs)
     for f in failures:
         print(f"FAIL {f}")
     return 1 if failures else 0
 
 
 def _write(
-    runs: list[Run], failures: list[str], max_tokens: int, threads: int, head_dir: str | None
+    runs: list[Run],
+    failures: list[str],
+    max_tokens: int,
+    threads: int,
+    head_dir: Path | None,
+    costs: dict[int, float],
 ) -> None:
     import transformers
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     base = {r.prompt_set: r.tokens_per_s for r in runs if r.method == "none"}
+    sizes = {r.prompt_set: len(r.outputs) for r in runs if r.method == "none"}
     lines = [
         "# Speculative decoding — SmolLM2-135M-Instruct, CPU, batch 1, greedy",
         "",
         f"Generated by `python -m bench spec` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
-        f"Each prompt set: {len({r.prompt_set for r in runs})} sets x 4 prompts, max_tokens={max_tokens}, "
-        f"fp32, torch threads={threads}. Timing excludes prefill (time to first token).",
-        "Every speculative run reproduced the no-speculation output token for token"
+        f"Prompt sets: chat ({sizes.get('chat', 0)} questions, held out from the MTP head's "
+        f"training corpus) and rag-quote ({sizes.get('rag-quote', 0)} prompts: two context "
+        "passages + a question asking to quote one); "
+        f"max_tokens={max_tokens}, fp32, torch threads={threads}. Timing excludes prefill "
+        "(time to first token); ITL = a step's time split over the tokens it emitted.",
+        "Every speculative run reproduced the no-speculation output token for token, and "
+        "every no-speculation answer contains its declared phrase."
         if not failures
         else "FAILURES: " + "; ".join(failures),
         "",
@@ -226,6 +385,52 @@ def _write(
             f"{_pct(r.itl_ms, 0.99):.1f} | {st['acceptance_rate']:.2f} | "
             f"{st['mean_accepted_length']:.2f} | {per_pos} | {st['draft_s']:.2f} | {st['verify_s']:.2f} |"
         )
+    lines += ["", "## Bars (issue #8)", ""]
+    for (pset, kind), bar in BARS.items():
+        cands = [r for r in runs if r.prompt_set == pset and r.method.startswith(kind)]
+        if not cands:
+            lines.append(f"- {kind} on {pset}: not run (no trained head found)")
+            continue
+        best = max(cands, key=lambda r: r.tokens_per_s)
+        x = best.tokens_per_s / base[pset]
+        verdict = "met" if x >= bar else "NOT met"
+        lines.append(f"- {kind} on {pset}: best {best.method} {x:.2f}x vs bar {bar}x: {verdict}")
+    lines += [
+        "",
+        "## Break-even",
+        "",
+        "A speculative step costs its drafting plus one verification pass; it pays off only "
+        "when it emits more tokens than plain decoding would in the same time. Break-even "
+        "mean accepted drafts per step = (draft + verify time per step) / (time per token "
+        "without speculation) - 1 (measured in this run):",
+        "",
+    ]
+    for r in runs:
+        st = r.stats
+        if r.method == "none" or not st["steps"]:
+            continue
+        step_ms = (st["draft_s"] + st["verify_s"]) / st["steps"] * 1e3
+        plain_ms = 1e3 / base[r.prompt_set]
+        lines.append(
+            f"- {r.prompt_set} / {r.method}: {step_ms:.0f} ms per step vs {plain_ms:.0f} ms per "
+            f"plain token: break-even {step_ms / plain_ms - 1:.2f}, achieved "
+            f"{st['mean_accepted_length']:.2f}"
+        )
+    lines += [
+        "",
+        "## Verification cost by tokens per pass",
+        "",
+        "One target pass over n new tokens after 200 cached ones (the verification of n - 1 "
+        "drafts), median of 5, ms. This CPU's BLAS runs 2-3 row matmuls about row by row: "
+        "for the 49152 x 576 LM head that costs more than 4 rows, so the engine pads 2-3 "
+        "logit rows to 4 (included here); the layers' small matmuls still make any "
+        "verification cost 1.5x+ a single-token step.",
+        "",
+        "| tokens | " + " | ".join(str(n) for n in costs) + " |",
+        "|---|" + "---|" * len(costs),
+        "| ms | " + " | ".join(f"{c:.1f}" for c in costs.values()) + " |",
+        "| vs 1 token | " + " | ".join(f"{c / costs[1]:.2f}" for c in costs.values()) + " |",
+    ]
     load = os.getloadavg()
     lines += [
         "",
@@ -244,15 +449,17 @@ def _write(
     (RESULTS / "spec.md").write_text("\n".join(lines) + "\n")
 
 
-def _head_note(head_dir: str | None) -> str:
+def _head_note(head_dir: Path | None) -> str:
     if not head_dir:
-        return "no trained head given (--mtp-head=DIR), so no MTP row"
+        return "no trained head found (--mtp-head=DIR or --train-head), so no MTP rows"
     import json
 
     meta = json.loads((Path(head_dir) / "config.json").read_text())
     return (
-        f"trained by `python -m rose.spec.train_mtp` ({meta.get('train_note', 'see config.json')}); "
-        f"loss per epoch {[round(x, 3) for x in meta.get('loss_history', [])]}"
+        f"trained by `{meta.get('command', 'python -m rose.spec.train_mtp')}` "
+        f"({meta.get('train_note', 'see config.json')}); next-token loss per epoch "
+        f"{[round(x, 3) for x in meta.get('loss_history', [])]}; draft vocabulary "
+        f"{meta.get('draft_vocab_size') or 'full'}"
     )
 
 

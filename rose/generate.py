@@ -27,13 +27,16 @@ from rose.kv.allocator import KVCacheConfig, OutOfPages, PageAllocator
 from rose.kv.block_table import BlockTable
 from rose.kv.metadata import AttentionMetadata
 from rose.models.llama import LlamaForCausalLM
-from rose.sampling import FinishReason, SamplingParams, StopChecker, sample, token_probs
-from rose.spec.acceptance import accept_drafts
+from rose.sampling import FinishReason, SamplingParams, StopChecker, token_probs
+from rose.spec.acceptance import accept_deterministic, accept_drafts, accept_greedy
 from rose.spec.config import SpecConfig
 from rose.spec.draft_model import DraftRequest, ModelDrafter
 from rose.spec.mtp import MTPDrafter, MTPDraftRequest, MTPHead
 from rose.spec.ngram import NgramDrafter
 from rose.spec.stats import SpecStats
+
+_NO_DRAFT: tuple[list[int], torch.Tensor | None] = ([], None)
+_MIN_LOGIT_ROWS = 4
 
 __all__ = [
     "CapacityError",
@@ -94,6 +97,7 @@ class _Seq:
     new_ids: list[int] = field(default_factory=list)
     # MTP: target features not yet fed to the head (pairs draft_table.length ..)
     features: torch.Tensor | None = None
+    draft_len: int = 0  # adaptive k: drafts wanted next step (0: not yet set)
 
     @property
     def output_ids(self) -> list[int]:
@@ -209,7 +213,7 @@ class GenerationEngine:
         for s in list(self._running):
             if s not in self._running:
                 continue
-            need = len(s.tokens) + len(drafts.get(s.seq_id, ([], None))[0])
+            need = len(s.tokens) + len(drafts.get(s.seq_id, _NO_DRAFT)[0])
             while True:
                 try:
                     s.table.reserve(need)
@@ -224,50 +228,58 @@ class GenerationEngine:
             return []
 
         t0 = time.perf_counter()
-        entries, ids, n_logits = [], [], []
+        entries, ids, n_logits, idx, starts = [], [], [], [], []
+        total = 0
         for s in batch:
-            d = drafts.get(s.seq_id, ([], None))[0]
+            d = drafts.get(s.seq_id, _NO_DRAFT)[0]
             feed = s.tokens[s.table.length :] + d
             entries.append((s.table, s.table.length, len(feed)))
+            starts.append(total)
             ids.extend(feed)
+            total += len(feed)
             n_logits.append(len(d) + 1)
+            idx.extend(range(total - len(d) - 1, total))  # the last len(d) + 1 fed tokens
         meta = AttentionMetadata.build(entries, device=self.device)
-        # logits for each sequence's last len(drafts) + 1 tokens
-        idx = torch.cat(
-            [
-                torch.arange(int(meta.cu_seqlens[i + 1]) - n, int(meta.cu_seqlens[i + 1]))
-                for i, n in enumerate(n_logits)
-            ]
-        ).to(self.device)
+        n_rows = len(idx)
+        if self.device.type == "cpu" and 1 < n_rows < _MIN_LOGIT_ROWS:
+            # CPU BLAS multiplies 2-3 rows by the big LM head one row at a time (2-3x the
+            # weight traffic of 1 row, more than 4 rows cost); duplicate rows, drop them after
+            idx += [idx[-1]] * (_MIN_LOGIT_ROWS - n_rows)
         fwd = self.model(
             torch.tensor(ids, device=self.device),
             meta,
             self.cache,
-            idx,
+            torch.tensor(idx, device=self.device),
             return_all_hidden=self.mtp is not None,
         )
-        logits = fwd.logits
+        logits = fwd.logits[:n_rows]
+        # temperature 0: the target's argmax at every verified position, one sync for all
+        argmax = logits.argmax(-1).tolist() if any(s.params.greedy for s in batch) else []
         verify_s = time.perf_counter() - t0
 
         outputs: list[StepOutput] = []
         off = 0
         any_drafts = False
         for i, (s, (_, cached, fed), n) in enumerate(zip(batch, entries, n_logits, strict=True)):
-            p = token_probs(logits[off : off + n], s.params)  # [n, V]
-            off += n
-            d, q = drafts.get(s.seq_id, ([], None))
-            if d:
-                any_drafts = True
-                assert q is not None
-                res = accept_drafts(
-                    torch.tensor([d], device=self.device), q[None], p[None], s.generator
-                )
-                n_acc = int(res.num_accepted[0])
-                new = d[:n_acc] + [int(res.next_token[0])]
-                self.stats.record(len(d), n_acc)
+            d, q = drafts.get(s.seq_id, _NO_DRAFT)
+            any_drafts = any_drafts or bool(d)
+            if s.params.greedy:
+                n_acc, nxt = accept_greedy(d, argmax[off : off + n])
             else:
-                n_acc = 0
-                new = [int(sample(p[-1:], s.params, s.generator)[0])]
+                p = token_probs(logits[off : off + n], s.params)  # [n, V]
+                dt = torch.tensor([d], dtype=torch.int64, device=self.device)
+                if q is None:  # deterministic proposal (n-gram): q is one-hot at the draft
+                    res = accept_deterministic(dt, p[None], s.generator)
+                else:
+                    res = accept_drafts(dt, q[None], p[None], s.generator)
+                n_acc, nxt = int(res.num_accepted[0]), int(res.next_token[0])
+            off += n
+            if d:
+                self.stats.record(len(d), n_acc)
+                if self.config.spec.adaptive_k:  # longer after a fully kept chain
+                    grow = n_acc == len(d)
+                    s.draft_len = min(k_max, len(d) + 2) if grow else max(1, len(d) - 1)
+            new = d[:n_acc] + [nxt]
             # cache now validly holds everything fed except rejected drafts
             valid = fed - len(d) + n_acc
             s.table.length = cached + valid
@@ -279,8 +291,7 @@ class GenerationEngine:
             if self.mtp is not None and s.draft_table is not None and fwd.all_hidden is not None:
                 # head cache: only pairs built from target features stay (refilled below)
                 ModelDrafter.rollback(s.draft_table, len(s.tokens) - 1)
-                start = int(meta.cu_seqlens[i])
-                new_feats = fwd.all_hidden[start : start + valid]  # positions cached ..
+                new_feats = fwd.all_hidden[starts[i] : starts[i] + valid]  # positions cached ..
                 s.features = new_feats if s.features is None else torch.cat([s.features, new_feats])
             self._emit(s, new)
             outputs.append(StepOutput(s.seq_id, s.new_ids, s.finish_reason))
@@ -346,7 +357,8 @@ class GenerationEngine:
         for s in self._running:
             if s.table.length != len(s.tokens) - 1:
                 continue  # prefill step: the next token is not known yet
-            k = min(k_max, s.params.max_tokens - len(s.output_ids) - 1)
+            want = (s.draft_len or k_max) if self.config.spec.adaptive_k else k_max
+            k = min(want, s.params.max_tokens - len(s.output_ids) - 1)
             if k > 0:
                 todo.append((s, k))
         out: dict[int, tuple[list[int], torch.Tensor | None]] = {}
@@ -354,9 +366,7 @@ class GenerationEngine:
             for s, k in todo:
                 d = self.ngram.propose(s.tokens, k)
                 if d:
-                    q = torch.zeros(len(d), self.vocab_size, device=self.device)
-                    q[torch.arange(len(d)), torch.tensor(d)] = 1.0  # deterministic proposal
-                    out[s.seq_id] = (d, q)
+                    out[s.seq_id] = (d, None)  # deterministic proposal: q is one-hot
         elif self.drafter is not None and todo:
             reqs = []
             for s, k in todo:

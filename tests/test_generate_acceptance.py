@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 from rose.sampling import SamplingParams, StopChecker, sample, token_probs
-from rose.spec.acceptance import accept_drafts
+from rose.spec.acceptance import accept_deterministic, accept_drafts, accept_greedy
 
 N = 100_000
 V = 8
@@ -81,6 +81,56 @@ def test_greedy_one_hot_accepts_exactly_the_argmax_prefix() -> None:
     res = accept_drafts(draft, q, p.expand(2, 4, 50), torch.Generator().manual_seed(0))
     assert res.num_accepted.tolist() == [3, 2]
     assert res.next_token.tolist() == [int(target[3]), int(target[2])]
+
+
+@pytest.mark.parametrize("case", ["likely-drafts", "impossible-draft"])
+def test_deterministic_drafts_match_target_distribution(case: str) -> None:
+    """N-gram drafts (q one-hot at the draft, never built): the emitted tokens still follow
+    the target's distributions."""
+    g = torch.Generator().manual_seed(7 if case == "likely-drafts" else 8)
+    p = _random_dists(g, K + 1, zero_some=case == "impossible-draft")  # [K+1, V]
+    fixed = p[:K].argmax(-1)  # a plausible copy
+    if case == "impossible-draft":
+        fixed[1] = 0  # p[1, 0] == 0: this draft can never be kept
+        assert p[1, 0] == 0
+    draft = fixed.expand(N, K).contiguous()
+    res = accept_deterministic(draft, p.expand(N, K + 1, V), g)
+    n = res.num_accepted
+    first = torch.where(n >= 1, draft[:, 0], res.next_token)
+    assert _chi2(first, p[0]) > 0.01
+    kept = n >= 1
+    second = torch.where(n[kept] >= 2, draft[kept, 1], res.next_token[kept])
+    assert _chi2(second, p[1]) > 0.01
+    if case == "impossible-draft":
+        assert int(n.max()) <= 1
+    else:
+        all_kept = n == K
+        assert all_kept.sum() > 1_000
+        assert _chi2(res.next_token[all_kept], p[K]) > 0.01
+    # the one-hot formulation of the general rule gives the same acceptance law
+    q = torch.zeros(K, V).scatter_(-1, fixed[:, None], 1.0)
+    ref = accept_drafts(draft, q.expand(N, K, V), p.expand(N, K + 1, V), g)
+    for j in range(K + 1):
+        a, b = (n == j).float().mean(), (ref.num_accepted == j).float().mean()
+        assert abs(a - b) < 0.01, (j, float(a), float(b))
+
+
+def test_accept_greedy_equals_one_hot_rejection_sampling() -> None:
+    g = torch.Generator().manual_seed(9)
+    for trial in range(50):
+        k = 1 + trial % 6
+        logits = torch.randn(k + 1, 30, generator=g)
+        target = logits.argmax(-1)
+        draft = target[:k].clone()
+        if trial % 3:  # break the chain somewhere
+            j = int(torch.randint(0, k, (1,), generator=g))
+            draft[j] = (draft[j] + 1 + trial) % 30
+        p = token_probs(logits, SamplingParams())
+        q = torch.zeros(k, 30).scatter_(-1, draft[:, None], 1.0)
+        ref = accept_drafts(draft[None], q[None], p[None], g)
+        n, nxt = accept_greedy(draft.tolist(), target.tolist())
+        assert (n, nxt) == (int(ref.num_accepted[0]), int(ref.next_token[0]))
+    assert accept_greedy([], [4]) == (0, 4)
 
 
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.7), (10, 0.5), (0, 0.05)])

@@ -13,7 +13,13 @@ from rose.models.llama import LlamaConfig, LlamaForCausalLM
 from rose.sampling import SamplingParams
 from rose.spec import SpecConfig
 from rose.spec.mtp import MTPHead, MTPHeadConfig
-from rose.spec.train_mtp import TrainConfig, answer_prompts, target_features, train_head
+from rose.spec.train_mtp import (
+    TrainConfig,
+    answer_prompts,
+    draft_vocabulary,
+    target_features,
+    train_head,
+)
 
 VOCAB = 128
 GREEDY = SamplingParams(max_tokens=24)
@@ -89,3 +95,41 @@ def test_head_must_match_target(target: LlamaForCausalLM) -> None:
         GenerationEngine(target, GenerationConfig(spec=SpecConfig(method="mtp")), mtp_head=bad)
     with pytest.raises(ValueError, match="needs an mtp_head"):
         GenerationEngine(target, GenerationConfig(spec=SpecConfig(method="mtp")))
+
+
+def test_head_with_a_draft_vocabulary_and_unrolled_training(
+    target: LlamaForCausalLM, tmp_path: Path
+) -> None:
+    """A head that drafts only among the answers' 48 most frequent tokens (of 128), trained
+    with the second chained draft unrolled: still lossless, still accepted, and it never
+    drafts outside its vocabulary; save/load keeps the vocabulary."""
+    prompts = _prompts(30, 96)
+    seqs = answer_prompts(target, prompts, answer_tokens=32)
+    vocab = draft_vocabulary(seqs, [len(p) for p in prompts], 48)
+    assert len(vocab) == 48 and vocab == sorted(vocab)
+    feats = target_features(target, seqs)
+    cfg = TrainConfig(epochs=10, lr=3e-3, batch_tokens=512, unroll=2)
+    head, history = train_head(target, seqs, feats, cfg, draft_vocab=vocab)
+    assert history[-1] < 0.6 * history[0], history
+    assert head.config.draft_vocab_size == 48 and head.draft_vocab.tolist() == vocab
+    head.save(tmp_path / "h")
+    head = MTPHead.load(tmp_path / "h")
+    assert head.draft_vocab.tolist() == vocab
+
+    test_prompts = _prompts(40, 24)
+    base = [r.output_ids for r in GenerationEngine(target).generate(test_prompts, GREEDY)]
+    got, eng = _run(target, head, test_prompts)
+    assert got == base
+    assert eng.stats.acceptance_rate > 0.2, eng.stats.as_dict()
+    drafted: list[int] = []
+    original = eng.mtp.propose if eng.mtp is not None else None
+    assert original is not None
+
+    def spy(reqs):  # record every drafted token
+        out = original(reqs)
+        drafted.extend(t for d, _ in out for t in d)
+        return out
+
+    eng.mtp.propose = spy  # type: ignore[method-assign]
+    eng.generate(test_prompts[:4], GREEDY)
+    assert drafted and set(drafted) <= set(vocab)

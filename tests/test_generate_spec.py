@@ -88,6 +88,8 @@ def baseline(target: LlamaForCausalLM, prompts: list[list[int]]) -> list[list[in
         ("draft", "truncated", 4),
         ("draft", "random", 3),
         ("draft", "truncated", 1),
+        ("ngram-adaptive", None, 6),
+        ("draft-adaptive", "truncated", 5),
     ],
 )
 def test_speculative_greedy_identical_to_plain_greedy(
@@ -106,7 +108,11 @@ def test_speculative_greedy_identical_to_plain_greedy(
             {"truncated": "truncated", "random": "random_drafter"}[drafter]
         )
     )
-    cfg = GenerationConfig(max_batch=16, spec=SpecConfig(method=method, num_draft_tokens=k))
+    adaptive = method.endswith("-adaptive")
+    spec = SpecConfig(
+        method=method.removesuffix("-adaptive"), num_draft_tokens=k, adaptive_k=adaptive
+    )
+    cfg = GenerationConfig(max_batch=16, spec=spec)
     eng = GenerationEngine(target, cfg, drafter=d)
     got = [r.output_ids for r in eng.generate(prompts, GREEDY)]
     mismatches = [i for i, (a, b) in enumerate(zip(got, baseline, strict=True)) if a != b]
@@ -115,6 +121,8 @@ def test_speculative_greedy_identical_to_plain_greedy(
     assert 0 < st.accepted < st.drafted  # both acceptance and rejection were exercised
     assert st.emitted == st.accepted + st.steps
     assert len(st.acceptance_per_position) == k
+    if adaptive:  # after rejections some steps drafted fewer than k tokens
+        assert st.drafted < k * st.steps
     assert st.draft_s > 0 and st.verify_s > 0
     assert eng.allocator.num_free == cfg.kv.num_pages  # every page came back
 
@@ -220,6 +228,32 @@ def test_sampled_speculation_is_seeded(
     b = GenerationEngine(target, cfg, drafter=truncated).generate(prompts[:4], params)
     assert [r.output_ids for r in a] == [r.output_ids for r in b]
     assert all(len(r.output_ids) == 16 for r in a)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_speculation_follows_the_target(
+    target: LlamaForCausalLM, truncated: LlamaForCausalLM, method: str
+) -> None:
+    """Temperature 1: the first token after a fixed prompt, over many seeds, has the same
+    distribution with speculation (deterministic n-gram drafts / sampled model drafts) as
+    without (chi-square homogeneity)."""
+    from scipy.stats import chi2_contingency
+
+    prompt = [5, 9, 5, 9, 5, 9, 5]  # the n-gram drafter always proposes here
+    cfg = GenerationConfig(max_batch=64, spec=SpecConfig(method=method, num_draft_tokens=3))
+    plain, spec = GenerationEngine(target), GenerationEngine(target, cfg, drafter=truncated)
+    counts = []
+    for eng in (plain, spec):
+        params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i) for i in range(600)]
+        outs = eng.generate([prompt] * 600, params)
+        counts.append(
+            torch.bincount(torch.tensor([r.output_ids[1] for r in outs]), minlength=VOCAB)
+        )
+    if method == "ngram":
+        assert spec.stats.steps > 0
+    table = torch.stack(counts)
+    table = table[:, table.sum(0) > 0].numpy()
+    assert chi2_contingency(table).pvalue > 0.01
 
 
 def test_config_errors_name_the_key(target: LlamaForCausalLM) -> None:

@@ -1,14 +1,22 @@
 """Speculative decoding: a drafter proposes tokens, the target verifies them in one pass.
 
-- `accept_drafts`: the lossless acceptance rule (rejection sampling + bonus token).
+- `accept_drafts`: the lossless acceptance rule (rejection sampling + bonus token);
+  `accept_deterministic` for drafts proposed with certainty (n-gram), `accept_greedy` for
+  temperature 0 (longest prefix equal to the target's argmax), neither building ``q``.
 - `NgramDrafter`: prompt lookup — copy what followed the last n tokens' earlier occurrence.
 - `ModelDrafter`: a small model sharing the target's tokenizer, on the shared page pool.
+- `rose.spec.mtp` / `rose.spec.train_mtp`: the MTP / EAGLE head and its training command.
 - `SpecConfig`: which method, how many tokens; `SpecStats`: acceptance and timing.
 """
 
 from __future__ import annotations
 
-from rose.spec.acceptance import AcceptResult, accept_drafts
+from rose.spec.acceptance import (
+    AcceptResult,
+    accept_deterministic,
+    accept_drafts,
+    accept_greedy,
+)
 from rose.spec.config import SpecConfig
 from rose.spec.draft_model import ModelDrafter, truncated_drafter
 from rose.spec.ngram import NgramDrafter
@@ -20,6 +28,8 @@ __all__ = [
     "NgramDrafter",
     "SpecConfig",
     "SpecStats",
+    "accept_deterministic",
     "accept_drafts",
+    "accept_greedy",
     "truncated_drafter",
 ]

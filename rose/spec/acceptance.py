@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AcceptResult", "accept_drafts"]
+__all__ = ["AcceptResult", "accept_deterministic", "accept_drafts", "accept_greedy"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,46 @@ def accept_drafts(
     mass = residual.sum(-1, keepdim=True)
     dist = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_n)
     return AcceptResult(n, _draw(dist, generator))
+
+
+def accept_deterministic(
+    draft: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
+) -> AcceptResult:
+    """`accept_drafts` for drafts proposed with certainty (q one-hot at the draft: n-gram
+    lookup, or a drafter's argmax), without building ``q``.
+
+    With q = one-hot(d) the rule reads: keep d with probability p(d); on rejection draw
+    from p with d removed (norm(max(0, p - q)) = p without d, renormalized).
+    draft ``[B, k]``, p ``[B, k + 1, V]``.
+    """
+    b, k = draft.shape
+    if k == 0:
+        return AcceptResult(torch.zeros(b, dtype=torch.int64), _draw(p[:, 0], generator))
+    p_d = p[:, :k].gather(-1, draft[..., None]).squeeze(-1)  # [B, k]
+    u = torch.rand(b, k, generator=generator, device=p.device)
+    ok = u < p_d  # [B, k]
+    n = ok.to(torch.int64).cumprod(-1).sum(-1)  # [B]
+    rows = torch.arange(b, device=p.device)
+    p_n = p[rows, n].clone()  # [B, V]
+    rejected = n < k
+    d_n = draft[rows, n.clamp_max(k - 1)]  # [B] the rejected draft (unused when n == k)
+    p_n[rows[rejected], d_n[rejected]] = 0.0
+    mass = p_n.sum(-1, keepdim=True)
+    dist = torch.where(mass > 0, p_n / mass.clamp_min(1e-30), p[rows, n])
+    return AcceptResult(n, _draw(dist, generator))
+
+
+def accept_greedy(draft: list[int], target_argmax: list[int]) -> tuple[int, int]:
+    """Temperature 0: ``target_argmax`` holds the target's argmax at the ``len(draft) + 1``
+    verified positions. Keeps drafts while they equal the target's argmax and then emits the
+    target's argmax — what `accept_drafts` does with one-hot ``p`` and ``q``, without
+    building distributions. Returns (number kept, next token)."""
+    n = 0
+    for d, t in zip(draft, target_argmax, strict=False):
+        if d != t:
+            break
+        n += 1
+    return n, target_argmax[n]
 
 
 def _draw(dist: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

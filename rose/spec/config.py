@@ -15,12 +15,15 @@ class SpecConfig:
     head on the target's features, `rose.spec.mtp`).
     num_draft_tokens: k, tokens proposed per step.
     ngram_max / ngram_min: longest / shortest suffix n-gram looked up (prompt lookup).
+    adaptive_k: per sequence, draft 2 more tokens (up to num_draft_tokens) after a step
+    that kept every draft and 1 fewer (down to 1) after a rejection.
     """
 
     method: str = "none"
     num_draft_tokens: int = 4
     ngram_max: int = 3
     ngram_min: int = 1
+    adaptive_k: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in _METHODS:

@@ -57,9 +57,10 @@ class ModelDrafter:
         return BlockTable(self.allocator, self.page_size)
 
     @torch.no_grad()
-    def propose(self, requests: list[DraftRequest]) -> list[tuple[list[int], torch.Tensor]]:
+    def propose(self, requests: list[DraftRequest]) -> list[tuple[list[int], torch.Tensor | None]]:
         """Drafts and their distributions ``q [k, V_target]`` per request (k may come back
-        smaller, down to 0, when the page pool cannot hold the drafter's tokens)."""
+        smaller, down to 0, when the page pool cannot hold the drafter's tokens). Greedy
+        requests draft the drafter's argmax and get None: q is one-hot at the drafts."""
         live: list[int] = []
         for i, r in enumerate(requests):
             try:
@@ -76,20 +77,23 @@ class ModelDrafter:
             meta = AttentionMetadata.build(entries, device=self.cache.k.device)
             ids = torch.tensor([t for i in live for t in feeds[i]], device=self.cache.k.device)
             logits = self.model(ids, meta, self.cache, logits_index=meta.last_index).logits
+            argmax = logits.argmax(-1).tolist()  # [B] one sync for every greedy row
             for row, i in enumerate(live):
                 r = requests[i]
                 r.table.length += len(feeds[i])
-                q = token_probs(logits[row : row + 1], r.params)  # [1, V_draft]
-                if q.shape[-1] < self.vocab_size:
-                    q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[-1]))
-                tok = int(sample(q, r.params, r.generator)[0])
+                if r.params.greedy:  # a certain proposal: no distribution needed
+                    tok = argmax[row]
+                else:
+                    q = token_probs(logits[row : row + 1], r.params)  # [1, V_draft]
+                    if q.shape[-1] < self.vocab_size:
+                        q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[-1]))
+                    tok = int(sample(q, r.params, r.generator)[0])
+                    dists[i].append(q[0])
                 drafts[i].append(tok)
-                dists[i].append(q[0])
                 feeds[i] = [tok]
-        out: list[tuple[list[int], torch.Tensor]] = []
+        out: list[tuple[list[int], torch.Tensor | None]] = []
         for i in range(len(requests)):
-            q = torch.stack(dists[i]) if dists[i] else torch.zeros(0, self.vocab_size)
-            out.append((drafts[i], q))
+            out.append((drafts[i], torch.stack(dists[i]) if dists[i] else None))
         return out
 
     @staticmethod

@@ -42,7 +42,13 @@ _FORMAT = "trellis-mtp-head/1"
 
 @dataclass(frozen=True)
 class MTPHeadConfig:
-    """Shape of the head; must match its target's width, heads and vocabulary."""
+    """Shape of the head; must match its target's width, heads and vocabulary.
+
+    draft_vocab_size: the head drafts only among this many target tokens (the ids are the
+    head's ``draft_vocab`` buffer, the target's most frequent output tokens), so a draft
+    step multiplies by a ``[draft_vocab_size, H]`` slice of the LM head instead of all of
+    it; 0 drafts over the whole vocabulary. Verification by the target stays exact either way.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -52,9 +58,17 @@ class MTPHeadConfig:
     vocab_size: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    draft_vocab_size: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"mtp head config.draft_vocab_size must be in [0, vocab_size={self.vocab_size}], "
+                f"got {self.draft_vocab_size}"
+            )
 
     @staticmethod
-    def for_target(cfg: LlamaConfig) -> MTPHeadConfig:
+    def for_target(cfg: LlamaConfig, draft_vocab_size: int = 0) -> MTPHeadConfig:
         return MTPHeadConfig(
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
@@ -64,6 +78,7 @@ class MTPHeadConfig:
             vocab_size=cfg.vocab_size,
             rms_norm_eps=cfg.rms_norm_eps,
             rope_theta=cfg.rope_theta,
+            draft_vocab_size=draft_vocab_size,
         )
 
     def check_target(self, cfg: LlamaConfig) -> None:
@@ -105,7 +120,16 @@ class MTPHead(nn.Module):
         self.fuse = nn.Linear(2 * h, h, bias=False)
         self.block = Block(cfg.block_config(), layer=0)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        # target token id of each draft-vocabulary row (identity when drafting over all)
+        n = cfg.draft_vocab_size or cfg.vocab_size
+        self.register_buffer("draft_vocab", torch.arange(n, dtype=torch.int64))
         self._inv_freq: torch.Tensor | None = None
+
+    def lm_weight(self, target_output: torch.Tensor) -> torch.Tensor:
+        """The rows of the target's LM head weight ``[V, H]`` the head drafts among."""
+        if self.config.draft_vocab_size == 0:
+            return target_output
+        return target_output[self.draft_vocab].contiguous()  # [N, H]
 
     def new_cache(self, num_pages: int, page_size: int) -> PagedKVCache:
         w = self.fuse.weight
@@ -145,6 +169,8 @@ class MTPHead(nn.Module):
         head = MTPHead(cfg)
         state = load_file(str(path / "model.safetensors"))
         want = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+        if cfg.draft_vocab_size == 0 and "draft_vocab" not in state:
+            state["draft_vocab"] = head.draft_vocab  # heads saved before draft vocabularies
         got = {k: tuple(v.shape) for k, v in state.items()}
         if want != got:
             raise ValueError(f"mtp head weights in {path}: expected {want}, got {got}")
@@ -178,14 +204,21 @@ class MTPDrafter:
         self.allocator = allocator
         self.page_size = page_size
         self.cache = head.new_cache(allocator.num_pages, page_size)
+        # the LM head rows the head drafts among, sliced once ([N, H])
+        self.lm_weight = head.lm_weight(target.output.weight.detach())
 
     def new_table(self) -> BlockTable:
         return BlockTable(self.allocator, self.page_size)
 
     @torch.no_grad()
-    def propose(self, requests: list[MTPDraftRequest]) -> list[tuple[list[int], torch.Tensor]]:
+    def propose(
+        self, requests: list[MTPDraftRequest]
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Chains of drafts per request and their distributions ``q [k, V]`` (None for
+        greedy requests, whose drafts are the head's argmax: q is one-hot at them)."""
         vocab = self.target.config.vocab_size
         emb = self.target.tok_embeddings
+        draft_vocab = self.head.draft_vocab
         live: list[int] = []
         for i, r in enumerate(requests):
             n = r.features.shape[0]
@@ -210,19 +243,28 @@ class MTPDrafter:
             entries = [(requests[i].table, requests[i].table.length, len(toks[i])) for i in live]
             meta = AttentionMetadata.build(entries, device=self.cache.k.device)
             ids = torch.tensor([t for i in live for t in toks[i]], device=self.cache.k.device)
-            hid = torch.cat([feats[i] for i in live])
-            out = self.head(hid, emb(ids), meta, self.cache)[meta.last_index]  # [B, H]
-            logits = self.target.output(out)  # [B, V]
+            hid = feats[live[0]] if len(live) == 1 else torch.cat([feats[i] for i in live])
+            out = self.head(hid, emb(ids), meta, self.cache)
+            if out.shape[0] != len(live):
+                out = out[meta.last_index]  # [B, H]
+            logits = out @ self.lm_weight.T  # [B, N] over the draft vocabulary
+            best = draft_vocab[logits.argmax(-1)].tolist()  # [B] target ids, one sync
             for row, i in enumerate(live):
                 r = requests[i]
                 r.table.length += len(toks[i])
-                q = token_probs(logits[row : row + 1], r.params)  # [1, V]
-                tok = int(sample(q, r.params, r.generator)[0])
+                if r.params.greedy:
+                    tok = best[row]
+                else:  # sample within the draft vocabulary; q is zero outside it
+                    q_sub = token_probs(logits[row : row + 1], r.params)  # [1, N]
+                    j = int(sample(q_sub, r.params, r.generator)[0])
+                    tok = int(draft_vocab[j])
+                    q = torch.zeros(vocab, device=q_sub.device).index_copy_(
+                        0, draft_vocab, q_sub[0]
+                    )
+                    dists[i].append(q)
                 drafts[i].append(tok)
-                dists[i].append(q[0])
                 feats[i] = out[row : row + 1]
                 toks[i] = [tok]
         return [
-            (drafts[i], torch.stack(dists[i]) if dists[i] else torch.zeros(0, vocab))
-            for i in range(len(requests))
+            (drafts[i], torch.stack(dists[i]) if dists[i] else None) for i in range(len(requests))
         ]
