@@ -353,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rose import Engine, EngineConfig, RaggedBatch
     from rose.assets import ensure_model
+    from tokenizer import Tokenizer as RustTokenizer
 
     plan = QUICK if args.quick else FULL
     model_dir = Path(ensure_model(MODEL))
@@ -365,17 +366,21 @@ def run(args: argparse.Namespace) -> int:
 
     engine = Engine.load(model_dir, EngineConfig(device="cpu"))
 
+    native = RustTokenizer.from_file(str(model_dir / "tokenizer.json"))
+
     def rose_embed(texts: list[str]) -> np.ndarray:
-        # Cut to the model's 512 tokens keeping the closing special, as the servers do.
-        rows = [
-            e.ids if len(e.ids) <= 512 else e.ids[:511] + e.ids[-1:]
-            for e in tok.encode_batch(texts)
-        ]
+        # The project's own tokenizer, cutting to the model's 512 tokens as Ivy does.
+        ids, lengths = native.encode_batch_packed(texts, True, 512)
+        ids = np.asarray(ids, dtype=np.uint32)
+        lengths = np.asarray(lengths, dtype=np.uint32)
+        ends = np.cumsum(lengths, dtype=np.int64)
+        starts = ends - lengths
         # Batches of at most 16 rows (<= 8192 tokens), like Tulip's token-budget batching.
-        out = [
-            np.asarray(engine.step(RaggedBatch.from_lists(rows[i : i + 16])).wait(), np.float32)
-            for i in range(0, len(rows), 16)
-        ]
+        out = []
+        for i in range(0, len(lengths), 16):
+            j = min(i + 16, len(lengths))
+            batch = RaggedBatch.from_packed(ids[starts[i] : ends[j - 1]], lengths[i:j])
+            out.append(np.asarray(engine.step(batch).wait(), np.float32))
         return np.concatenate(out)
 
     reference = {
