@@ -70,7 +70,7 @@ def tokens_work(n: int, rows: int = 1, start: int = 1) -> Work:
 
 
 async def settle() -> None:
-    """Let the owner task run until it blocks."""
+    """Let the scheduled pump and completion callbacks run."""
     for _ in range(10):
         await asyncio.sleep(0)
 
