@@ -12,8 +12,6 @@ import base64
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from schemathesis_run import assert_no_server_error
 from tokenizers import Tokenizer
 from up_cluster import UpCluster, start_up, stop_up
 
@@ -278,39 +277,7 @@ def test_2048_inputs_split_over_both_replicas_in_order(
 
 
 def test_schemathesis_finds_no_server_error(base: str, tmp_path: Path) -> None:
-    st = Path(sys.executable).with_name("st")
-    result = subprocess.run(
-        [
-            str(st),
-            "run",
-            f"{base}/openapi.json",
-            "--checks",
-            "not_a_server_error",
-            "--max-examples",
-            "8",
-            "--seed",
-            "11",
-            "--generation-database",
-            "none",
-            # One worker: Hypothesis in worker threads can trip CPython 3.11's AST
-            # recursion check on nested schemas (python/cpython#106905).
-            "--workers",
-            "1",
-            "--request-timeout",
-            "60",
-            "--exclude-path",
-            "/rerank",
-            "--exclude-path",
-            "/v2/rerank",
-            "--no-color",
-            "--report-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert_no_server_error(base, tmp_path, max_examples=8, seed=11, timeout=600)
 
 
 def test_killing_a_replica_under_load_loses_no_request(

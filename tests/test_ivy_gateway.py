@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from schemathesis_run import assert_no_server_error
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from ivy.app import create_app
@@ -486,38 +487,7 @@ def test_api_keys(model_dir: Path, replicas: list[tuple[StandIn, str]]) -> None:
 
 
 def test_schemathesis_finds_no_server_error(ivy: str, tmp_path: Path) -> None:
-    """Property-based requests generated from /openapi.json (valid and invalid bodies)."""
-    st = Path(sys.executable).with_name("st")
-    result = subprocess.run(
-        [
-            str(st),
-            "run",
-            f"{ivy}/openapi.json",
-            "--checks",
-            "not_a_server_error",
-            "--max-examples",
-            "40",
-            "--seed",
-            "7",
-            "--generation-database",
-            "none",
-            # One worker: Hypothesis in worker threads can trip CPython 3.11's AST
-            # recursion check on nested schemas (python/cpython#106905).
-            "--workers",
-            "1",
-            "--exclude-path",
-            "/rerank",
-            "--exclude-path",
-            "/v2/rerank",
-            "--no-color",
-            "--report-dir",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    assert_no_server_error(ivy, tmp_path, max_examples=40, seed=7, timeout=300)
 
 
 def test_python_m_ivy_with_two_workers_serves_and_stops_on_sigterm(
