@@ -42,6 +42,7 @@ from ivy.gateway import Gateway
 from ivy.generation_schemas import ChatCompletionRequest, CompletionRequest
 from ivy.models import GENERATOR, ServedModel
 from ivy.replicas import Replica
+from ivy.router import no_replica_error
 from ivy.tokenization import TokenizationError
 from protos.trellis.v1 import inference_pb2 as pb
 
@@ -430,11 +431,7 @@ class GenerationService:
             return Generation(
                 call, first, replica, tokens, int(ids.size), self.metrics, prepared.param
             )
-        if refusals and all(c == grpc.StatusCode.RESOURCE_EXHAUSTED for c in refusals):
-            raise OverloadedError("Every replica is at capacity; retry shortly.")
-        if grpc.StatusCode.RESOURCE_EXHAUSTED in refusals:
-            raise OverloadedError("The remaining replicas are at capacity; retry shortly.")
-        raise UnavailableError(f"No healthy replica serves model `{prepared.model}` right now.")
+        raise no_replica_error(prepared.model, refusals)
 
 
 # ---- consuming generations ---------------------------------------------------------------

@@ -25,7 +25,7 @@ from ivy.replicas import Replica, ReplicaPool
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.wire import pack_token_batch, unpack_tensor
 
-__all__ = ["Chunk", "Router", "split_chunks"]
+__all__ = ["Chunk", "Router", "no_replica_error", "split_chunks"]
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -173,11 +173,17 @@ class Router:
                 raise _translate(exc) from None
             finally:
                 replica.release(tokens, outcome)
-        if refusals and all(c == grpc.StatusCode.RESOURCE_EXHAUSTED for c in refusals):
-            raise OverloadedError("Every replica is at capacity; retry shortly.")
-        if grpc.StatusCode.RESOURCE_EXHAUSTED in refusals:
-            raise OverloadedError("The remaining replicas are at capacity; retry shortly.")
-        raise UnavailableError(f"No healthy replica serves model `{model}` right now.")
+        raise no_replica_error(model, refusals)
+
+
+def no_replica_error(model: str, refusals: list[grpc.StatusCode]) -> IvyError:
+    """The answer when no replica took the call: 429 when any refused for capacity (the
+    client should retry), else 503."""
+    if refusals and all(c == grpc.StatusCode.RESOURCE_EXHAUSTED for c in refusals):
+        return OverloadedError("Every replica is at capacity; retry shortly.")
+    if grpc.StatusCode.RESOURCE_EXHAUSTED in refusals:
+        return OverloadedError("The remaining replicas are at capacity; retry shortly.")
+    return UnavailableError(f"No healthy replica serves model `{model}` right now.")
 
 
 def _translate(exc: grpc.aio.AioRpcError) -> IvyError:
