@@ -26,6 +26,8 @@ class EngineConfig:
         `ATTENTION_BACKENDS` to insist (FlashInfer still falls back, with a log line, when absent).
     sdpa_strategy: how SDPA avoids padding on ragged batches: one call per sequence, one call
         with a block-diagonal mask, or "auto" (a cost model picks per batch).
+    packed_weights: on CPU, run linear layers on weights packed once for oneDNN, with the
+        MLP activation fused (`rose.packed`); False keeps PyTorch's default ``F.linear``.
     """
 
     device: str = "cpu"
@@ -35,6 +37,7 @@ class EngineConfig:
     max_graph_tokens: int = 8192
     attention: str | None = None
     sdpa_strategy: str = "auto"
+    packed_weights: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not (
@@ -64,6 +67,11 @@ class EngineConfig:
         if self.sdpa_strategy not in SDPA_STRATEGIES:
             raise EngineError(
                 f"EngineConfig.sdpa_strategy must be one of {SDPA_STRATEGIES}, got {self.sdpa_strategy!r}"
+            )
+
+        if not isinstance(self.packed_weights, bool):
+            raise EngineError(
+                f"EngineConfig.packed_weights must be a boolean, got {self.packed_weights!r}"
             )
 
     @property

@@ -124,6 +124,8 @@ class Engine:
             model = BertFamilyModel(cfg)
         model.load_state_dict(state, strict=True, assign=True)
         model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        if config.packed_weights and device.type == "cpu":
+            model.pack_weights()
         max_tokens = cfg.max_input_tokens
         if settings.max_seq_length is not None:
             max_tokens = min(max_tokens, settings.max_seq_length)

@@ -95,9 +95,9 @@ def prompts(tokenizer: transformers.PreTrainedTokenizerBase) -> list[list[int]]:
     return [_chat(tokenizer, t) for t in texts]
 
 
-def test_logits_match_transformers(
-    smol: Path, model: LlamaForCausalLM, prompts: list[list[int]]
-) -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["F.linear", "packed"])
+def test_logits_match_transformers(smol: Path, prompts: list[list[int]], packed: bool) -> None:
+    model = LlamaForCausalLM.from_pretrained(smol, packed=packed)
     ref = transformers.LlamaForCausalLM.from_pretrained(smol, dtype=torch.float32).eval()
     ids = prompts[30]
     with torch.no_grad():
@@ -106,7 +106,12 @@ def test_logits_match_transformers(
         table.reserve(len(ids))
         meta = AttentionMetadata.build([(table, 0, len(ids))])
         got = model(torch.tensor(ids), meta, model.new_cache(32, 16)).logits
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    # With F.linear both sides run the same MKL kernels: the model code must agree to 1e-4.
+    # Packed oneDNN weights (rose.packed, the serving default on CPU) add up the same fp32
+    # products in another order; over 30 layers that moves logits (magnitude ~20) by a few
+    # 1e-4, i.e. ~2e-5 relative, fp32 rounding and nothing more. The argmax must not move.
+    torch.testing.assert_close(got, want, atol=1e-3 if packed else 1e-4, rtol=0)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 @pytest.fixture(scope="module")

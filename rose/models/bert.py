@@ -22,6 +22,7 @@ from torch import nn
 
 from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
+from rose.packed import pack_linears
 
 __all__ = [
     "ARCHITECTURES",
@@ -55,6 +56,14 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "silu": F.silu,
     "swish": F.silu,
+}
+
+# hidden_act → the activation `rose.packed` can fuse into the MLP's up projection.
+_PACKED_ACTIVATIONS = {
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
 }
 
 # Weight-name prefixes a checkpoint may put before the encoder's own names.
@@ -200,9 +209,11 @@ class MLP(nn.Module):
         self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
         self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.act_fused = False  # True once `up` applies the activation itself
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.up(x)))  # [T, H]
+        h = self.up(x)  # [T, I]
+        return self.down(h if self.act_fused else self.act(h))  # [T, H]
 
 
 class Layer(nn.Module):
@@ -393,6 +404,19 @@ class BertFamilyModel(nn.Module):
         self.cfg = cfg
         self.encoder = BertEncoder(cfg)
         self.head = ClassificationHead(cfg) if cfg.classifier else None
+
+    def pack_weights(self, batch_hint: int = 512) -> int:
+        """Run every linear layer on oneDNN-packed weights with the MLP activation fused
+        (`rose.packed`); returns how many layers were packed (0 off CPU). Inference only."""
+        fused = _PACKED_ACTIVATIONS.get(self.cfg.hidden_act)
+        names = {}
+        if fused is not None:
+            names = {f"encoder.layers.{i}.mlp.up": fused for i in range(self.cfg.num_layers)}
+        count = pack_linears(self, batch_hint, names)
+        if count and fused is not None:
+            for layer in self.encoder.layers:
+                layer.mlp.act_fused = True
+        return count
 
 
 def position_ids(cfg: BertConfig, ids: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:

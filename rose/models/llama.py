@@ -31,6 +31,7 @@ from torch import nn
 
 from rose.kv.cache import PagedKVCache
 from rose.kv.metadata import AttentionMetadata
+from rose.packed import pack_linears
 
 __all__ = [
     "DecoderOutput",
@@ -350,13 +351,21 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.norm(x)
         return DecoderOutput(logits=self.output(hidden), hidden=hidden)
 
+    def pack_weights(self, batch_hint: int = 4) -> int:
+        """Run every linear layer on oneDNN-packed weights (`rose.packed`); returns how many
+        were packed (0 off CPU). The hint is small because decoding and verification pass a
+        few tokens per sequence; prefill's long passes gain as well. Inference only."""
+        return pack_linears(self, batch_hint)
+
     @staticmethod
     def from_pretrained(
         path: str | Path,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        packed: bool = True,
     ) -> LlamaForCausalLM:
-        """Load a Hugging Face Llama/Qwen2 directory (config.json + *.safetensors)."""
+        """Load a Hugging Face Llama/Qwen2 directory (config.json + *.safetensors) for
+        inference (no gradients); packed: on CPU, `pack_weights` right away."""
         path = Path(path)
         cfg = LlamaConfig.from_file(path / "config.json")
         with torch.device("meta"):
@@ -365,7 +374,10 @@ class LlamaForCausalLM(nn.Module):
         model.load_state_dict(state, assign=True, strict=True)
         if cfg.tie_word_embeddings:
             model.output.weight = model.tok_embeddings.weight
-        return model.eval()
+        model = model.eval().requires_grad_(False)
+        if packed:
+            model.pack_weights()
+        return model
 
 
 def weight_name_map(cfg: LlamaConfig) -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+from torch import nn
 
 from rose.kv.allocator import OutOfPages, PageAllocator
 from rose.kv.block_table import BlockTable
@@ -113,12 +114,9 @@ def truncated_drafter(target: LlamaForCausalLM, num_layers: int) -> LlamaForCaus
         )
     with torch.device("meta"):
         drafter = LlamaForCausalLM(replace(cfg, num_hidden_layers=num_layers))
-    state = {
-        name: t
-        for name, t in target.state_dict().items()
-        if not name.startswith("layers.") or int(name.split(".")[1]) < num_layers
-    }
-    drafter.load_state_dict(state, assign=True, strict=True)
-    if cfg.tie_word_embeddings:
-        drafter.output.weight = drafter.tok_embeddings.weight
+    # Share the modules themselves (packed linear layers have no dense state to copy).
+    drafter.tok_embeddings = target.tok_embeddings
+    drafter.layers = nn.ModuleList(target.layers[:num_layers])
+    drafter.norm = target.norm
+    drafter.output = target.output
     return drafter.eval()

@@ -1,0 +1,127 @@
+"""rose.packed: linear layers on oneDNN-packed weights against F.linear, and the loaders'
+use of them (encoder engine, decoder)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rose import Engine, EngineConfig, RaggedBatch
+from rose.assets import ensure_model
+from rose.errors import EngineError
+from rose.models.llama import LlamaConfig, LlamaForCausalLM
+from rose.packed import ACTIVATIONS, PackedLinear, can_pack, pack_linears
+
+pytestmark = pytest.mark.skipif(
+    not can_pack(torch.zeros(2, 2)), reason="this PyTorch build has no oneDNN linear ops"
+)
+
+REFERENCE = {
+    "none": lambda y: y,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+def _linear(n_in: int, n_out: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out, bias=bias).requires_grad_(False)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 17, 300])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_packed_linear_equals_f_linear(rows: int, bias: bool, activation: str) -> None:
+    lin = _linear(96, 160, bias)
+    packed = PackedLinear(lin, batch_hint=4, activation=activation)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    want = REFERENCE[activation](F.linear(x, lin.weight, lin.bias))
+    got = packed(x)
+    assert got.shape == (rows, 160) and got.dtype == torch.float32 and not got.is_mkldnn
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_packed_linear_takes_any_leading_shape_and_strides() -> None:
+    lin = _linear(64, 48, True)
+    packed = PackedLinear(lin, batch_hint=512)
+    x3 = torch.randn(3, 5, 64)
+    torch.testing.assert_close(packed(x3), F.linear(x3, lin.weight, lin.bias), atol=2e-5, rtol=0)
+    xt = torch.randn(64, 7).t()  # not contiguous
+    torch.testing.assert_close(packed(xt), F.linear(xt, lin.weight, lin.bias), atol=2e-5, rtol=0)
+
+
+def test_weight_unpacks_exactly_and_shared_weights_are_kept() -> None:
+    lin = _linear(32, 24, False)
+    packed = PackedLinear(lin, batch_hint=4)
+    assert torch.equal(packed.weight, lin.weight)
+    shared = PackedLinear(lin, batch_hint=4, keep_dense=True)
+    assert shared.weight is lin.weight
+
+
+def test_refuses_what_it_cannot_pack() -> None:
+    with pytest.raises(ValueError, match="activation"):
+        PackedLinear(_linear(4, 4, True), 4, activation="tanh")
+    trainable = nn.Linear(4, 4)  # requires grad: the packed op has no backward
+    assert not can_pack(trainable.weight)
+    with pytest.raises(ValueError, match="without gradients"):
+        PackedLinear(trainable, 4)
+    assert not can_pack(torch.zeros(4, 4, dtype=torch.float64))
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    assert pack_linears(model, 4) == 0 and isinstance(model[0], nn.Linear)
+
+
+def _tiny_llama() -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
+    model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def test_pack_linears_replaces_every_linear_and_keeps_tied_head_dense() -> None:
+    model = _tiny_llama()
+    n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert model.pack_weights() == n_linear == 2 * 7 + 1
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert isinstance(model.output, PackedLinear)
+    assert model.output.weight is model.tok_embeddings.weight  # tied: no second dense copy
+    assert model.layers[0].mlp.w_up._dense is None  # untied: only the packed copy
+
+
+@pytest.fixture(scope="module")
+def e5_path():
+    return ensure_model("multilingual-e5-small")
+
+
+def test_engine_packed_embeddings_equal_unpacked(e5_path) -> None:
+    plain = Engine.load(e5_path, EngineConfig(device="cpu", packed_weights=False))
+    packed = Engine.load(e5_path, EngineConfig(device="cpu"))
+    assert isinstance(packed._model.encoder.layers[0].mlp.up, PackedLinear)
+    assert packed._model.encoder.layers[0].mlp.up.activation == "gelu"
+    assert packed._model.encoder.layers[0].mlp.act_fused
+    assert isinstance(plain._model.encoder.layers[0].mlp.up, nn.Linear)
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(5, 250_000, size=n).tolist() for n in (1, 7, 128, 300)]
+    batch = RaggedBatch.from_lists(rows)
+    a = plain.step(batch).numpy()
+    b = packed.step(batch).numpy()
+    cos = (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+    assert cos.min() >= 0.99999, cos
+
+
+def test_engine_config_packed_weights_must_be_bool() -> None:
+    with pytest.raises(EngineError, match="packed_weights"):
+        EngineConfig(packed_weights="yes")  # type: ignore[arg-type]
