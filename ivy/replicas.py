@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from ivy.calls import CallMux
 from ivy.metrics import Metrics
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
@@ -47,6 +48,7 @@ class Replica:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self.stub = pb_grpc.InferenceStub(self.channel)
+        self.calls = CallMux(self.stub)  # Embed/Score chunks, on one stream
         self.outstanding_tokens = 0
         self.watched_serving = False
         self.suspect_until = 0.0
@@ -149,6 +151,7 @@ class Replica:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._watch_task
         self._metrics.replica_healthy.labels(**self._labels).set(0)
+        await self.calls.close(grace)
         await self.channel.close(grace)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from ivy.calls import CallFailed
 from ivy.errors import (
     DeadlineError,
     IvyError,
@@ -64,7 +65,7 @@ def split_chunks(lengths: np.ndarray, chunk_tokens: int) -> list[Chunk]:
 
 
 # The response field that carries each method's result rows.
-_RESULT_FIELD = {"Embed": "embeddings", "Score": "scores"}
+_RESULT_FIELD = {"embed": "embeddings", "score": "scores"}
 
 
 class Router:
@@ -95,7 +96,7 @@ class Router:
                 dimensions=dimensions,
             )
 
-        return await self._fan_out(model, "Embed", lengths, request, deadline)
+        return await self._fan_out(model, "embed", lengths, request, deadline)
 
     async def score(
         self,
@@ -119,7 +120,7 @@ class Router:
                 ],
             )
 
-        return await self._fan_out(model, "Score", lengths, request, deadline)
+        return await self._fan_out(model, "score", lengths, request, deadline)
 
     async def _fan_out(
         self,
@@ -160,8 +161,8 @@ class Router:
             replica.acquire(tokens)
             outcome = "OK"
             try:
-                return await getattr(replica.stub, method)(request, timeout=remaining)
-            except grpc.aio.AioRpcError as exc:
+                return await getattr(replica.calls, method)(request, remaining)
+            except CallFailed as exc:
                 code = exc.code()
                 outcome = code.name
                 if code in _RETRYABLE:
@@ -186,7 +187,7 @@ def no_replica_error(model: str, refusals: list[grpc.StatusCode]) -> IvyError:
     return UnavailableError(f"No healthy replica serves model `{model}` right now.")
 
 
-def _translate(exc: grpc.aio.AioRpcError) -> IvyError:
+def _translate(exc: CallFailed) -> IvyError:
     code = exc.code()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValidationError(exc.details() or "invalid input", param="input")

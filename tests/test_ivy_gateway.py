@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -61,16 +62,16 @@ class StandIn(pb_grpc.InferenceServicer):
     calls: list[int] = field(default_factory=list)  # inputs per call
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def _refuse(self, context: grpc.ServicerContext) -> None:
+    def _refusal(self) -> tuple[grpc.StatusCode, str] | None:
         if self.mode == "exhausted":
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"
         if self.mode == "unavailable":
-            context.abort(grpc.StatusCode.UNAVAILABLE, "draining")
+            return grpc.StatusCode.UNAVAILABLE, "draining"
         if self.mode == "slow":
             time.sleep(0.3)
+        return None
 
-    def Embed(self, request: pb.EmbedRequest, context: grpc.ServicerContext) -> pb.EmbedResponse:
-        self._refuse(context)
+    def _embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
         ids, lengths = unpack_token_batch(request.inputs)
         with self.lock:
             self.calls.append(len(lengths))
@@ -85,8 +86,55 @@ class StandIn(pb_grpc.InferenceServicer):
             timing=pb.Timing(queue_us=250, inference_us=1500 * len(lengths)),
         )
 
+    def Embed(self, request: pb.EmbedRequest, context: grpc.ServicerContext) -> pb.EmbedResponse:
+        refusal = self._refusal()
+        if refusal is not None:
+            context.abort(*refusal)
+        return self._embed(request)
+
     def Score(self, request: pb.ScoreRequest, context: grpc.ServicerContext) -> pb.ScoreResponse:
         context.abort(grpc.StatusCode.UNIMPLEMENTED, "embedding model")
+
+    def Calls(
+        self, requests: Iterator[pb.CallRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.CallResponse]:
+        """The multiplexed stream Ivy uses: each request answered from its own thread,
+        with the status the unary method would have failed with as a `CallError`."""
+        answers: queue.Queue[pb.CallResponse | None] = queue.Queue()
+
+        def error(call_id: int, code: grpc.StatusCode, message: str) -> pb.CallResponse:
+            return pb.CallResponse(
+                id=call_id, error=pb.CallError(code=code.value[0], message=message)
+            )
+
+        def answer(call: pb.CallRequest) -> None:
+            if call.WhichOneof("call") != "embed":
+                answers.put(error(call.id, grpc.StatusCode.UNIMPLEMENTED, "embedding model"))
+                return
+            refusal = self._refusal()
+            if refusal is not None:
+                answers.put(error(call.id, *refusal))
+                return
+            answers.put(pb.CallResponse(id=call.id, embed=self._embed(call.embed)))
+
+        def read() -> None:
+            workers = []
+            try:
+                for call in requests:
+                    if call.WhichOneof("call") == "cancel":
+                        continue
+                    worker = threading.Thread(target=answer, args=(call,), daemon=True)
+                    worker.start()
+                    workers.append(worker)
+            except grpc.RpcError:  # the caller cancelled the stream
+                pass
+            for worker in workers:
+                worker.join()
+            answers.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        while (response := answers.get()) is not None:
+            yield response
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         return pb.InfoResponse(

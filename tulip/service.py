@@ -19,6 +19,7 @@ import numpy as np
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
 from protos.wire import pack_tensor
+from tulip.calls import serve_calls
 from tulip.errors import InvalidInput, NotReady, TulipError, status_code
 from tulip.inputs import GenerateWork, ModelLimits, embed_work, generate_work, score_work
 from tulip.metrics import Metrics
@@ -90,12 +91,12 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def Embed(
         self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> pb.EmbedResponse:
-        return await self._answer("Embed", context, lambda: self._embed(request, context))
+        return await self._answer("Embed", context, lambda: self.embed(request, _deadline(context)))
 
     async def Score(
         self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.ScoreResponse:
-        return await self._answer("Score", context, lambda: self._score(request, context))
+        return await self._answer("Score", context, lambda: self.score(request, _deadline(context)))
 
     async def Info(
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
@@ -107,12 +108,17 @@ class InferenceService(pb_grpc.InferenceServicer):
 
         return await self._answer("Info", context, info)
 
-    async def _embed(
-        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
-    ) -> pb.EmbedResponse:
+    async def Calls(
+        self, requests: AsyncIterator[pb.CallRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await serve_calls(self, requests, context, self._metrics)
+
+    async def embed(self, request: pb.EmbedRequest, deadline: float | None) -> pb.EmbedResponse:
+        """One Embed call's answer (`deadline`: a `time.monotonic()` instant or None);
+        failures raise `TulipError`."""
         model, scheduler = self._ready()
         work, options = embed_work(request, model.served.limits)
-        result = await scheduler.submit(work, _deadline(context))
+        result = await scheduler.submit(work, deadline)
         rows = model.shape_embeddings(result.rows, options.dimensions, options.normalize)
         return pb.EmbedResponse(
             embeddings=pack_tensor(rows, options.dtype),
@@ -120,12 +126,11 @@ class InferenceService(pb_grpc.InferenceServicer):
             timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us),
         )
 
-    async def _score(
-        self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ScoreResponse:
+    async def score(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
+        """One Score call's answer; failures raise `TulipError`."""
         model, scheduler = self._ready()
         work, activation = score_work(request, model.served.limits)
-        result = await scheduler.submit(work, _deadline(context))
+        result = await scheduler.submit(work, deadline)
         scores = model.activate(result.rows, activation)
         return pb.ScoreResponse(
             scores=pack_tensor(scores, pb.DTYPE_FLOAT32),

@@ -63,6 +63,40 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
+class CallRequest(_message.Message):
+    __slots__ = ("id", "timeout_ms", "embed", "score", "cancel")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    timeout_ms: int
+    embed: EmbedRequest
+    score: ScoreRequest
+    cancel: bool
+    def __init__(self, id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., embed: _Optional[_Union[EmbedRequest, _Mapping]] = ..., score: _Optional[_Union[ScoreRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+
+class CallResponse(_message.Message):
+    __slots__ = ("id", "embed", "score", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    EMBED_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    embed: EmbedResponse
+    score: ScoreResponse
+    error: CallError
+    def __init__(self, id: _Optional[int] = ..., embed: _Optional[_Union[EmbedResponse, _Mapping]] = ..., score: _Optional[_Union[ScoreResponse, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class TokenBatch(_message.Message):
     __slots__ = ("ids", "lengths")
     IDS_FIELD_NUMBER: _ClassVar[int]

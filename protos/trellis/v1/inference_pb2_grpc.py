@@ -54,6 +54,11 @@ class InferenceStub:
                 request_serializer=protos_dot_trellis_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_trellis_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Calls = channel.stream_stream(
+                '/trellis.v1.Inference/Calls',
+                request_serializer=protos_dot_trellis_dot_v1_dot_inference__pb2.CallRequest.SerializeToString,
+                response_deserializer=protos_dot_trellis_dot_v1_dot_inference__pb2.CallResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -89,6 +94,17 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Calls(self, request_iterator, context):
+        """Embed and Score calls multiplexed on one long-lived stream: the same work and the
+        same answers as the unary RPCs, without setting up an HTTP/2 stream (and a handler)
+        per call. A gateway keeps one open per replica for its hot path. Each request
+        carries a caller-chosen id; answers come back in completion order under that id.
+        When the stream ends, requests still running are abandoned (no answer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +127,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_trellis_dot_v1_dot_inference__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_trellis_dot_v1_dot_inference__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Calls': grpc.stream_stream_rpc_method_handler(
+                    servicer.Calls,
+                    request_deserializer=protos_dot_trellis_dot_v1_dot_inference__pb2.CallRequest.FromString,
+                    response_serializer=protos_dot_trellis_dot_v1_dot_inference__pb2.CallResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +242,33 @@ class Inference:
             '/trellis.v1.Inference/Generate',
             protos_dot_trellis_dot_v1_dot_inference__pb2.GenerateRequest.SerializeToString,
             protos_dot_trellis_dot_v1_dot_inference__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Calls(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/trellis.v1.Inference/Calls',
+            protos_dot_trellis_dot_v1_dot_inference__pb2.CallRequest.SerializeToString,
+            protos_dot_trellis_dot_v1_dot_inference__pb2.CallResponse.FromString,
             options,
             channel_credentials,
             insecure,
