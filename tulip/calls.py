@@ -114,6 +114,10 @@ async def serve_calls(
                 task.add_done_callback(tasks.discard)
         if tasks:  # the caller closed its side: finish (and deliver) what it asked for
             await asyncio.wait(list(tasks))
+    except asyncio.CancelledError:
+        # The stream ended under us (the caller left, or the server is stopping): nobody
+        # is left to answer. Returning, not raising, keeps gRPC from logging an error.
+        return
     finally:
         for task in list(tasks):
             task.cancel()
