@@ -7,6 +7,7 @@
 //! *first* (shortest) key that is a prefix of the input; its value is the offset of the
 //! replacement string in the tail.
 
+use crate::clusters::Clusters;
 use crate::error::Error;
 
 /// A parsed precompiled charsmap.
@@ -19,6 +20,12 @@ pub(crate) struct CharsMap {
     replacements: Vec<u8>,
     /// For every ASCII byte: the replacement range in `replacements`, when mapped.
     ascii: [Option<(u32, u32)>; 128],
+    /// Bit `cp` is set when the map has no entry for the basic-plane character `cp` on its
+    /// own (the common case), so the normalizer copies it without a trie walk. Bits of
+    /// surrogates and of mapped characters are clear.
+    bmp_unmapped: Box<[u64; 1024]>,
+    /// Which characters end the grapheme cluster they start (shared, immutable).
+    clusters: &'static Clusters,
 }
 
 impl CharsMap {
@@ -48,9 +55,22 @@ impl CharsMap {
             units,
             replacements,
             ascii: [None; 128],
+            bmp_unmapped: Box::new([0; 1024]),
+            clusters: Clusters::get(),
         };
         for b in 0u8..128 {
             map.ascii[b as usize] = map.lookup_range(&[b]);
+        }
+        let mut buf = [0u8; 4];
+        for cp in 0x80..0x1_0000u32 {
+            if let Some(c) = char::from_u32(cp) {
+                if map
+                    .lookup_range(c.encode_utf8(&mut buf).as_bytes())
+                    .is_none()
+                {
+                    map.bmp_unmapped[(cp >> 6) as usize] |= 1 << (cp & 63);
+                }
+            }
         }
         Ok(map)
     }
@@ -94,6 +114,19 @@ impl CharsMap {
             self.lookup_range(key)?
         };
         Some(&self.replacements[s as usize..e as usize])
+    }
+
+    /// True when `cp` is a basic-plane, non-ASCII character the map has no entry for on its
+    /// own (`lookup` of its UTF-8 bytes is `None`).
+    #[inline(always)]
+    pub(crate) fn bmp_unmapped(&self, cp: u32) -> bool {
+        cp < 0x1_0000 && self.bmp_unmapped[(cp >> 6) as usize] >> (cp & 63) & 1 == 1
+    }
+
+    /// The grapheme-cluster tables the normalizer's fast path reads.
+    #[inline(always)]
+    pub(crate) fn clusters(&self) -> &'static Clusters {
+        self.clusters
     }
 
     /// True when the map rewrites the ASCII byte `b` on its own.

@@ -17,6 +17,7 @@
 
 mod added;
 mod charsmap;
+mod clusters;
 mod error;
 mod load;
 mod normalizer;

@@ -1,14 +1,18 @@
 //! Normalizers, with Hugging Face `tokenizers` semantics.
 //!
 //! A normalizer is a list of steps run in order over one text segment (the text between
-//! two added tokens). Each step reads one buffer and writes the other. When offsets are
-//! requested, every step also maps each output byte to a byte range of the original
+//! two added tokens). Each step reads one buffer and writes the other, except that
+//! without offsets a strip, or a replacement that finds nothing, edits the current buffer
+//! in place. The precompiled map skips segmentation and look-ups for characters that are
+//! clusters on their own and unmapped (see `clusters`, tokenizer/DESIGN.md). When offsets
+//! are requested, every step also maps each output byte to a byte range of the original
 //! segment, reproducing how HF's `NormalizedString` carries alignments (including its
-//! quirks), so offsets match HF's.
+//! quirks), so offsets match HF's; that path segments every grapheme.
 
 use unicode_segmentation::UnicodeSegmentation;
 
 use crate::charsmap::CharsMap;
+use crate::clusters::Clusters;
 
 /// An alignment: the original byte range (relative to the segment) one output byte
 /// came from.
@@ -70,6 +74,9 @@ pub(crate) fn normalize(steps: &[Step], text: &str, bufs: &mut NormBuffers, trac
         }
     }
     for step in steps {
+        if !from_text && !track && in_place(step, &mut bufs.cur) {
+            continue;
+        }
         bufs.next.clear();
         bufs.next_align.clear();
         {
@@ -103,6 +110,72 @@ pub(crate) fn normalize(steps: &[Step], text: &str, bufs: &mut NormBuffers, trac
         from_text = false;
         bufs.swap();
     }
+    // Steps done in place leave a buffer out of some calls; keep both buffers as large as
+    // the larger, so whichever one a later call writes into has grown already. Exactly as
+    // large: amortized growth would overshoot, and the two would outgrow each other on
+    // every call.
+    let cap = bufs.cur.capacity().max(bufs.next.capacity());
+    for b in [&mut bufs.cur, &mut bufs.next] {
+        if b.capacity() < cap {
+            b.reserve_exact(cap - b.len());
+        }
+    }
+}
+
+/// Applies `step` to `cur` in place when that needs no second buffer — a strip (a
+/// truncation and a shift), or a replacement with nothing to replace — and returns true;
+/// false leaves `cur` untouched for the general path.
+fn in_place(step: &Step, cur: &mut Vec<u8>) -> bool {
+    match step {
+        Step::Precompiled(_) => false,
+        Step::Strip { left, right } => {
+            // SAFETY: `cur` holds UTF-8 (see `normalize`).
+            let s = unsafe { std::str::from_utf8_unchecked(cur) };
+            let end = if *right {
+                s.trim_end_matches(char::is_whitespace).len()
+            } else {
+                s.len()
+            };
+            let start = if *left {
+                end - s[..end].trim_start_matches(char::is_whitespace).len()
+            } else {
+                0
+            };
+            cur.truncate(end);
+            cur.drain(..start);
+            true
+        }
+        Step::Replace { pattern, .. } => match pattern {
+            Pattern::Literal(lit) => {
+                lit.is_empty() || memchr::memmem::find(cur, lit.as_bytes()).is_none()
+            }
+            Pattern::Run { ch, min } => {
+                let mut buf = [0u8; 4];
+                find_run(cur, 0, ch.encode_utf8(&mut buf).as_bytes(), *min).is_none()
+            }
+        },
+    }
+}
+
+/// The first run of at least `min` consecutive copies of `pat` at or after `from`, as a
+/// byte range (the run extends as far as it goes).
+#[inline]
+fn find_run(bytes: &[u8], mut from: usize, pat: &[u8], min: usize) -> Option<(usize, usize)> {
+    let at =
+        |j: usize| bytes.len() >= j + pat.len() && pat.iter().zip(&bytes[j..]).all(|(a, b)| a == b);
+    while let Some(k) = memchr::memchr(pat[0], &bytes[from..]) {
+        let start = from + k;
+        let (mut j, mut n) = (start, 0);
+        while at(j) {
+            j += pat.len();
+            n += 1;
+        }
+        if n >= min.max(1) {
+            return Some((start, j));
+        }
+        from = if n == 0 { start + 1 } else { j };
+    }
+    None
 }
 
 impl NormBuffers {
@@ -149,46 +222,102 @@ fn plain(c: char) -> bool {
     )
 }
 
-/// True when the byte at `i` (ASCII) forms a grapheme on its own: the next byte is ASCII
-/// too (ASCII characters never extend a cluster), except CR LF, which is one cluster.
-#[inline]
-fn ascii_alone(bytes: &[u8], i: usize) -> bool {
-    match bytes.get(i + 1) {
-        None => true,
-        Some(&nb) => nb < 0x80 && !(bytes[i] == b'\r' && nb == b'\n'),
+/// The code point and UTF-8 length of the character starting at byte `i` of valid UTF-8.
+#[inline(always)]
+fn char_at(bytes: &[u8], i: usize) -> (u32, usize) {
+    let b0 = bytes[i] as u32;
+    if b0 < 0x80 {
+        return (b0, 1);
     }
+    let b = |k: usize| (bytes[i + k] & 0x3f) as u32;
+    if b0 < 0xe0 {
+        ((b0 & 0x1f) << 6 | b(1), 2)
+    } else if b0 < 0xf0 {
+        ((b0 & 0x0f) << 12 | b(1) << 6 | b(2), 3)
+    } else {
+        ((b0 & 0x07) << 18 | b(1) << 12 | b(2) << 6 | b(3), 4)
+    }
+}
+
+/// Byte length of the cluster starting at `i` when the tables decide it: a marked character
+/// followed by extending characters, then one that does not join (see `clusters`);
+/// `None` leaves it to full segmentation.
+#[inline]
+fn cluster_len(clusters: &Clusters, bytes: &[u8], i: usize) -> Option<usize> {
+    let (c, len) = char_at(bytes, i);
+    if !clusters.marked(c) {
+        return None;
+    }
+    let mut j = i + len;
+    while j < bytes.len() {
+        let (x, l) = char_at(bytes, j);
+        if clusters.extends(x) {
+            j += l;
+        } else if clusters.joins(x) {
+            return None;
+        } else {
+            break;
+        }
+    }
+    Some(j - i)
 }
 
 /// HF's `Precompiled::normalize`: a grapheme shorter than 6 bytes is looked up whole
 /// (the shortest key prefixing it replaces the *whole* grapheme); otherwise, or when the
 /// whole grapheme has no entry, each character is looked up on its own.
 fn precompiled(map: &CharsMap, input: &str, out: &mut Vec<u8>) {
+    let clusters = map.clusters();
     let bytes = input.as_bytes();
+    let n = bytes.len();
+    // `bytes[copied..i]` is output as is, written in one copy when something else must
+    // be written (or at the end), so unchanged text costs no per-character copy.
+    let mut copied = 0;
     let mut i = 0;
-    while i < bytes.len() {
-        // Bulk-copy a run of ASCII bytes the map leaves alone; the run stops one byte
-        // early so the last byte's cluster (it may take a combining mark) goes through
-        // the general path below; CR never joins a run (CR LF is one cluster).
+    while i < n {
+        // A run of ASCII the map leaves alone (CR excluded: CR LF is one cluster). ASCII
+        // never joins ASCII, so only the run's last character may start a longer cluster:
+        // when a joining character follows, that one goes through the general path.
         let run = bytes[i..]
             .iter()
             .take_while(|&&b| b < 0x80 && b != b'\r' && !map.maps_ascii(b))
             .count();
-        if run > 1 {
-            out.extend_from_slice(&bytes[i..i + run - 1]);
-            i += run - 1;
-        }
-        let b = bytes[i];
-        if b < 0x80 && ascii_alone(bytes, i) {
-            match map.lookup_ascii(b) {
-                Some(r) => out.extend_from_slice(r),
-                None => out.push(b),
+        if run > 0 {
+            i += run;
+            if i == n {
+                break;
             }
-            i += 1;
+            if !clusters.joins(char_at(bytes, i).0) {
+                continue;
+            }
+            i -= 1;
+        }
+        // A character that is a cluster on its own (see `clusters`): looked up alone, which
+        // is what HF's whole-grapheme look-up amounts to; unmapped ones stay as they are.
+        let (c, len) = char_at(bytes, i);
+        if clusters.left_safe(c) && (i + len == n || !clusters.joins(char_at(bytes, i + len).0)) {
+            if len > 1 && map.bmp_unmapped(c) {
+                i += len;
+                continue;
+            }
+            let part = &bytes[i..i + len];
+            let r = if len == 1 {
+                map.lookup_ascii(part[0])
+            } else {
+                map.lookup(part)
+            };
+            if let Some(r) = r {
+                out.extend_from_slice(&bytes[copied..i]);
+                out.extend_from_slice(r);
+                copied = i + len;
+            }
+            i += len;
             continue;
         }
-        let g_len = grapheme_len(&input[i..]);
+        out.extend_from_slice(&bytes[copied..i]);
+        let g_len = cluster_len(clusters, bytes, i).unwrap_or_else(|| grapheme_len(&input[i..]));
         let g = &input[i..i + g_len];
         i += g_len;
+        copied = i;
         if g_len < 6 {
             if let Some(r) = map.lookup(g.as_bytes()) {
                 out.extend_from_slice(r);
@@ -203,6 +332,7 @@ fn precompiled(map: &CharsMap, input: &str, out: &mut Vec<u8>) {
             }
         }
     }
+    out.extend_from_slice(&bytes[copied..]);
 }
 
 /// [`precompiled`] that also carries alignments, by replaying HF's transformation list
@@ -384,25 +514,12 @@ fn replace(
         }
         Pattern::Literal(_) => {}
         Pattern::Run { ch, min } => {
-            let cl = ch.len_utf8();
             let mut buf = [0u8; 4];
             let pat = ch.encode_utf8(&mut buf).as_bytes();
-            let mut i = 0;
-            while i < bytes.len() {
-                if bytes[i..].starts_with(pat) {
-                    let mut j = i;
-                    let mut n = 0;
-                    while bytes[j..].starts_with(pat) {
-                        j += cl;
-                        n += 1;
-                    }
-                    if n >= *min {
-                        emit(i, j, out, out_align);
-                    }
-                    i = j;
-                } else {
-                    i += 1;
-                }
+            let mut from = 0;
+            while let Some((start, end)) = find_run(bytes, from, pat, *min) {
+                emit(start, end, out, out_align);
+                from = end;
             }
         }
     }

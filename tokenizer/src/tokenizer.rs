@@ -591,43 +591,45 @@ impl Tokenizer {
                 pre_align.extend(std::iter::repeat_n(wa[0], rep.len()));
             }
         }
-        // Copy runs between spaces in bulk; each space becomes the replacement.
+        // One pass: copy runs between spaces in bulk, each space becoming the replacement;
+        // with `split`, a piece starts at every replacement in the output (the inserted
+        // ones and those already in the text — a whole character's bytes occur in UTF-8
+        // only where that character is).
+        let mut piece_start = start;
+        let mut cut = |at: usize, pieces: &mut Vec<(u32, u32)>| {
+            if m.split {
+                if at > piece_start {
+                    pieces.push((piece_start as u32, at as u32));
+                }
+                piece_start = at;
+            }
+        };
         let mut last = 0;
-        for (i, &b) in w.iter().enumerate() {
-            if b == b' ' {
+        for i in memchr::memchr2_iter(b' ', rep[0], w) {
+            if w[i] == b' ' {
                 pre.extend_from_slice(&w[last..i]);
-                pre.extend_from_slice(rep);
                 if track {
                     pre_align.extend_from_slice(&wa[last..i]);
                     pre_align.extend(std::iter::repeat_n(wa[i], rep.len()));
                 }
+                cut(pre.len(), pieces);
+                pre.extend_from_slice(rep);
                 last = i + 1;
+            } else if w.len() >= i + rep.len() && w[i..i + rep.len()] == *rep {
+                pre.extend_from_slice(&w[last..i]);
+                if track {
+                    pre_align.extend_from_slice(&wa[last..i]);
+                }
+                cut(pre.len(), pieces);
+                last = i;
             }
         }
         pre.extend_from_slice(&w[last..]);
         if track {
             pre_align.extend_from_slice(&wa[last..]);
         }
-        if !m.split {
-            pieces.push((start as u32, pre.len() as u32));
-            return;
-        }
-        let mut piece_start = start;
-        let mut i = start;
-        let end = pre.len();
-        while i < end {
-            if pre[i] == rep[0] && pre[i..end].starts_with(rep) {
-                if i > piece_start {
-                    pieces.push((piece_start as u32, i as u32));
-                }
-                piece_start = i;
-                i += rep.len();
-            } else {
-                i += 1;
-            }
-        }
-        if end > piece_start {
-            pieces.push((piece_start as u32, end as u32));
+        if pre.len() > piece_start {
+            pieces.push((piece_start as u32, pre.len() as u32));
         }
     }
 }

@@ -105,3 +105,35 @@ fn steady_state_encoding_allocates_nothing() {
         assert_eq!(n, 0, "{file}: charsmap-heavy input allocated {n} times");
     }
 }
+
+/// Regression: Strip and Replace run in place when they can, so which normalizer buffer
+/// receives a step's output varies from call to call; the buffers must not keep
+/// outgrowing each other (they did, one allocation per call, with amortized `reserve`).
+#[test]
+fn in_place_normalizer_steps_settle() {
+    let tok = Tokenizer::from_file(&common::xlmr_file("tokenizer.json")).unwrap();
+    let mut scratch = Scratch::new();
+    let mut out = Vec::new();
+    let base = common::texts(1, 60_000).pop().unwrap();
+    let half = common::texts(1, 30_000).pop().unwrap();
+    // With runs of spaces (Replace rewrites) and trailing spaces (Strip cuts), and without.
+    let texts = [
+        base.replace(". ", ".   ") + "   ",
+        base.clone(),
+        half.replace(", ", ",  "),
+        base.replace(' ', "  "),
+    ];
+    for t in &texts {
+        tok.encode_into(t, true, None, &mut scratch, &mut out)
+            .unwrap();
+    }
+    let n = count_allocations(|| {
+        for _ in 0..8 {
+            for t in &texts {
+                tok.encode_into(t, true, None, &mut scratch, &mut out)
+                    .unwrap();
+            }
+        }
+    });
+    assert_eq!(n, 0, "{n} allocations over 32 steady-state calls");
+}

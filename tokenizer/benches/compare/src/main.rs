@@ -1,11 +1,13 @@
 //! One-thread latency of Trellis' tokenizer against HF's `tokenizers` crate on the same
 //! tokenizer.json and texts, with heap allocations counted over the measured window.
 //!
-//! `compare TOKENIZER_JSON TEXTS_JSONL [ours|hf|both] [rounds]` prints one JSON object
+//! `compare TOKENIZER_JSON TEXTS_JSONL [ours|hf|both] [rounds] [WARMUP_JSONL]` prints one JSON object
 //! per line: wall-clock p50/p99 per call and the same for the calling thread's CPU time
 //! (`CLOCK_THREAD_CPUTIME_ID`), which leaves out the time spent preempted — on a machine
 //! shared with other jobs, a call of several milliseconds is almost always preempted, so
-//! its wall-clock time grows faster than its work. Under callgrind,
+//! its wall-clock time grows faster than its work. The warm-up pass runs over the measured
+//! texts, or over `WARMUP_JSONL` when given (then nothing measured was seen before its
+//! first round: per-word caches only help across documents). Under callgrind,
 //! `--toggle-collect=*measured_*` counts only the encode loops.
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -115,11 +117,15 @@ fn main() {
     let (json, texts_path) = (&args[1], &args[2]);
     let which = args.get(3).map_or("both", String::as_str);
     let rounds: usize = args.get(4).map_or(3, |r| r.parse().unwrap());
-    let texts: Vec<String> = std::fs::read_to_string(texts_path)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let read = |path: &str| -> Vec<String> {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let texts = read(texts_path);
+    let warmup = args.get(5).map_or_else(|| texts.clone(), |p| read(p));
     if which != "hf" {
         let tok = Tokenizer::from_file(json).unwrap();
         let (mut s, mut out) = (Scratch::new(), Vec::new());
@@ -128,7 +134,7 @@ fn main() {
             cpu: Vec::with_capacity(texts.len() * rounds),
         };
         // Warm-up (outside the measured functions): the scratch grows to the inputs.
-        for t in &texts {
+        for t in &warmup {
             tok.encode_into(t, true, None, &mut s, &mut out).unwrap();
         }
         let before = ALLOCS.load(Ordering::Relaxed);
@@ -149,7 +155,7 @@ fn main() {
             wall: Vec::with_capacity(texts.len() * rounds),
             cpu: Vec::with_capacity(texts.len() * rounds),
         };
-        for t in &texts {
+        for t in &warmup {
             black_box(tok.encode(t.as_str(), true).unwrap());
         }
         let before = ALLOCS.load(Ordering::Relaxed);
