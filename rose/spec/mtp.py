@@ -13,6 +13,7 @@ Saved as ``model.safetensors`` + ``config.json`` (`MTPHeadConfig`) in a director
 from __future__ import annotations
 
 import json
+from copy import deepcopy
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from rose.models.llama import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from rose.packed import can_pack, pack_linears
 from rose.sampling import SamplingParams, sample, token_probs
 
 __all__ = ["MTPDraftRequest", "MTPDrafter", "MTPHead", "MTPHeadConfig"]
@@ -132,7 +134,7 @@ class MTPHead(nn.Module):
         return target_output[self.draft_vocab].contiguous()  # [N, H]
 
     def new_cache(self, num_pages: int, page_size: int) -> PagedKVCache:
-        w = self.fuse.weight
+        w = self.norm.weight  # dtype and device (the linear layers may be packed)
         c = self.config
         return PagedKVCache(
             1, c.num_key_value_heads, c.head_dim, num_pages, page_size, w.dtype, w.device
@@ -192,6 +194,16 @@ class MTPDraftRequest:
     generator: torch.Generator | None
 
 
+def _for_inference(head: MTPHead) -> MTPHead:
+    """The head the drafter runs: on CPU a copy with oneDNN-packed linear layers
+    (`rose.packed`; the caller's head stays trainable), else the head itself."""
+    if not can_pack(head.fuse.weight.detach()):
+        return head
+    copy = deepcopy(head).requires_grad_(False)
+    pack_linears(copy, batch_hint=4)
+    return copy
+
+
 class MTPDrafter:
     """Drafts a chain of k tokens per sequence with an `MTPHead`, all sequences batched."""
 
@@ -199,11 +211,11 @@ class MTPDrafter:
         self, head: MTPHead, target: LlamaForCausalLM, allocator: PageAllocator, page_size: int
     ) -> None:
         head.config.check_target(target.config)
-        self.head = head
+        self.head = _for_inference(head)
         self.target = target
         self.allocator = allocator
         self.page_size = page_size
-        self.cache = head.new_cache(allocator.num_pages, page_size)
+        self.cache = self.head.new_cache(allocator.num_pages, page_size)
         # the LM head rows the head drafts among, sliced once ([N, H])
         self.lm_weight = head.lm_weight(target.output.weight.detach())
 
