@@ -147,3 +147,51 @@ def test_concurrent_threads_agree(tok: Tokenizer) -> None:
     assert len(results) == 4
     for r in results:
         assert r == expected + expected
+
+
+def _added(content: str, token_id: int) -> dict[str, object]:
+    return {
+        "id": token_id,
+        "content": content,
+        "single_word": False,
+        "lstrip": False,
+        "rstrip": False,
+        "normalized": False,
+        "special": True,
+    }
+
+
+# HF ignores the ids written for added tokens: in file order each takes an earlier
+# added token's id, else the model's id of its content, else the next id after the
+# vocabulary. N stands for the vocabulary size.
+ADDED_ID_CASES = {
+    "gap_after_vocab": [("<a>", 1000)],
+    "gaps_in_reverse_order": [("<b>", 2000), ("<a>", 1000)],
+    "piece_of_the_vocab_with_a_new_id": [("▁the", 5)],
+    "new_content_with_a_low_id": [("<a>", -250000)],
+    "contiguous_then_gap": [("<a>", 0), ("<b>", 7)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(ADDED_ID_CASES))
+def test_added_token_ids_follow_hf_not_the_file(xlmr_path: str, tmp_path: Path, case: str) -> None:
+    data = json.loads(Path(xlmr_path).read_text(encoding="utf-8"))
+    n = len(data["model"]["vocab"])
+    data["added_tokens"] += [_added(c, n + off) for c, off in ADDED_ID_CASES[case]]
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    ours = Tokenizer.from_file(str(path))
+    hf = tokenizers.Tokenizer.from_file(str(path))
+    text = "x <a> y Привет <b> z ▁the <mask> the"
+    want = hf.encode(text).ids
+    assert ours.encode(text) == want
+    assert ours.encode_batch([text, "x"]) == [want, hf.encode("x").ids]
+    assert ours.encode_pair(text, "y") == hf.encode(text, "y").ids
+    assert ours.vocab_size == hf.get_vocab_size()
+    for content in ("<a>", "<b>", "▁the"):
+        assert ours.token_to_id(content) == hf.token_to_id(content)
+    for i in (n - 1, n, n + 1, n + 1000):
+        assert ours.id_to_token(i) == hf.id_to_token(i)
+    assert ours.decode(want, skip_special_tokens=False) == hf.decode(
+        want, skip_special_tokens=False
+    )

@@ -71,6 +71,29 @@ impl Sink<'_> {
     }
 }
 
+/// Gives the added tokens the ids HF gives them when it loads a file, which ignores the
+/// ids written there: in file order, a token takes the id of an earlier added token with
+/// the same content, else the model's id of its content, else the next id after the
+/// model's vocabulary (a file whose added tokens leave a gap after the vocabulary is
+/// renumbered without it).
+fn assign_added_ids(model: &Unigram, added: &mut [AddedToken]) {
+    let mut next = model.len() as u32;
+    let mut seen: std::collections::HashMap<Box<str>, u32> = std::collections::HashMap::new();
+    for t in added {
+        t.id = match seen.get(&t.content) {
+            Some(&id) => id,
+            None => {
+                let id = model.piece_id(&t.content).unwrap_or_else(|| {
+                    next += 1;
+                    next - 1
+                });
+                seen.insert(t.content.clone(), id);
+                id
+            }
+        };
+    }
+}
+
 impl Tokenizer {
     /// Loads a Hugging Face `tokenizer.json` file.
     pub fn from_file(path: &str) -> Result<Self, Error> {
@@ -80,8 +103,9 @@ impl Tokenizer {
 
     /// Loads a Hugging Face `tokenizer.json` document.
     pub fn from_json(json: &str) -> Result<Self, Error> {
-        let spec: Spec = crate::load::parse(json)?;
+        let mut spec: Spec = crate::load::parse(json)?;
         let model = Unigram::new(&spec.vocab, spec.unk_id);
+        assign_added_ids(&model, &mut spec.added);
         let mut scratch = NormBuffers::default();
         let mut raw = Vec::new();
         let mut norm = Vec::new();
