@@ -45,6 +45,22 @@ def test_packed_linear_equals_f_linear(rows: int, bias: bool, activation: str) -
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_single_row_copy_serves_one_row_and_packed_serves_the_rest(bias: bool) -> None:
+    lin = _linear(96, 1000, bias)
+    packed = PackedLinear(lin, batch_hint=4, single_row=True)
+    assert torch.equal(packed.weight, lin.weight)
+    for rows in (1, 2, 4):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        want = F.linear(x, lin.weight, lin.bias)
+        torch.testing.assert_close(packed(x), want, atol=2e-5, rtol=1e-5)
+    one = torch.randn(1, 96)
+    # The one-row path is MKL's x @ W.T on the kept copy, not the packed kernel.
+    torch.testing.assert_close(
+        packed(one), one @ lin.weight.t().contiguous() + (lin.bias if bias else 0), atol=0, rtol=0
+    )
+
+
 def test_packed_linear_takes_any_leading_shape_and_strides() -> None:
     lin = _linear(64, 48, True)
     packed = PackedLinear(lin, batch_hint=512)
@@ -98,7 +114,8 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_head_dense() -> None:
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert isinstance(model.output, PackedLinear)
     assert model.output.weight is model.tok_embeddings.weight  # tied: no second dense copy
-    assert model.layers[0].mlp.w_up._dense is None  # untied: only the packed copy
+    assert model.layers[0].mlp.w_up._dense is None  # untied: no dense [out, in] copy
+    assert model.layers[0].mlp.w_up._single_row is not None  # decoding's one-row copy
 
 
 @pytest.fixture(scope="module")

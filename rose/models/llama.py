@@ -354,8 +354,10 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, batch_hint: int = 4) -> int:
         """Run every linear layer on oneDNN-packed weights (`rose.packed`); returns how many
         were packed (0 off CPU). The hint is small because decoding and verification pass a
-        few tokens per sequence; prefill's long passes gain as well. Inference only."""
-        return pack_linears(self, batch_hint)
+        few tokens per sequence; prefill's long passes gain as well. Every layer also keeps
+        ``W.T`` for the single row of plain decoding, so the weights take twice the memory.
+        Inference only."""
+        return pack_linears(self, batch_hint, single_row=True)
 
     @staticmethod
     def from_pretrained(
