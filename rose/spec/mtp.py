@@ -200,7 +200,7 @@ def _for_inference(head: MTPHead) -> MTPHead:
     if not can_pack(head.fuse.weight.detach()):
         return head
     copy = deepcopy(head).requires_grad_(False)
-    pack_linears(copy, batch_hint=4)
+    pack_linears(copy, batch_hint=4, single_row=True)
     return copy
 
 
