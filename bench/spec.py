@@ -11,14 +11,16 @@ fails. Writes bench/results/spec.md (+ spec.png when matplotlib is installed).
     python -m bench spec [--max-tokens=96] [--threads=1] [--mtp-head=DIR] [--train-head]
 
 The head is read from ``--mtp-head`` or `rose.spec.train_mtp.default_head_dir`; with
-``--train-head`` a missing head is trained first (``python -m rose.spec.train_mtp`` with the
-chat prompts below excluded from its corpus).
+``--train-head`` a missing head is trained first (``python -m rose.spec.train_mtp`` with its
+defaults and the chat prompts below excluded from its corpus). ``python -m bench mtp_accept``
+scores a head's held-out acceptance alone, without timing.
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -455,8 +457,14 @@ def _head_note(head_dir: Path | None) -> str:
     import json
 
     meta = json.loads((Path(head_dir) / "config.json").read_text())
+    command = meta.get("command", "python -m rose.spec.train_mtp")
+    held_out = [f"--exclude {shlex.quote(q)}" for q, _ in CHAT]
+    if all(h in command for h in held_out):  # the held-out chat prompts, named once
+        for h in held_out[1:]:
+            command = command.replace(" " + h, "")
+        command = command.replace(held_out[0], "--exclude <each bench chat prompt>")
     return (
-        f"trained by `{meta.get('command', 'python -m rose.spec.train_mtp')}` "
+        f"trained by `{command}` "
         f"({meta.get('train_note', 'see config.json')}); next-token loss per epoch "
         f"{[round(x, 3) for x in meta.get('loss_history', [])]}; draft vocabulary "
         f"{meta.get('draft_vocab_size') or 'full'}"

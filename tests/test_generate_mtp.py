@@ -9,14 +9,20 @@ import pytest
 import torch
 
 from rose.generate import GenerationConfig, GenerationEngine
+from rose.kv.allocator import PageAllocator
+from rose.kv.block_table import BlockTable
+from rose.kv.metadata import AttentionMetadata
 from rose.models.llama import LlamaConfig, LlamaForCausalLM
 from rose.sampling import SamplingParams
 from rose.spec import SpecConfig
 from rose.spec.mtp import MTPHead, MTPHeadConfig
 from rose.spec.train_mtp import (
     TrainConfig,
+    UnrolledHead,
     answer_prompts,
+    answer_with_features,
     draft_vocabulary,
+    init_from_target,
     target_features,
     train_head,
 )
@@ -101,14 +107,14 @@ def test_head_with_a_draft_vocabulary_and_unrolled_training(
     target: LlamaForCausalLM, tmp_path: Path
 ) -> None:
     """A head that drafts only among the answers' 48 most frequent tokens (of 128), trained
-    with the second chained draft unrolled: still lossless, still accepted, and it never
+    with the second and third chained drafts unrolled: still lossless, still accepted, and it never
     drafts outside its vocabulary; save/load keeps the vocabulary."""
     prompts = _prompts(30, 96)
     seqs = answer_prompts(target, prompts, answer_tokens=32)
     vocab = draft_vocabulary(seqs, [len(p) for p in prompts], 48)
     assert len(vocab) == 48 and vocab == sorted(vocab)
     feats = target_features(target, seqs)
-    cfg = TrainConfig(epochs=10, lr=3e-3, batch_tokens=512, unroll=2)
+    cfg = TrainConfig(epochs=10, lr=3e-3, batch_tokens=512, unroll=3)
     head, history = train_head(target, seqs, feats, cfg, draft_vocab=vocab)
     assert history[-1] < 0.6 * history[0], history
     assert head.config.draft_vocab_size == 48 and head.draft_vocab.tolist() == vocab
@@ -133,3 +139,111 @@ def test_head_with_a_draft_vocabulary_and_unrolled_training(
     eng.mtp.propose = spy  # type: ignore[method-assign]
     eng.generate(test_prompts[:4], GREEDY)
     assert drafted and set(drafted) <= set(vocab)
+
+
+def test_answers_with_features_equal_answering_then_a_feature_pass(
+    target: LlamaForCausalLM,
+) -> None:
+    """Features captured while answering (batches of 7, a ragged last batch) are the
+    target's own answers and final hidden states, as a separate full pass computes them."""
+    prompts = _prompts(50, 20)
+    seqs, feats = answer_with_features(target, prompts, answer_tokens=24, batch=7)
+    assert seqs == answer_prompts(target, prompts, answer_tokens=24)
+    ref = target_features(target, seqs)
+    for f, r in zip(feats, ref, strict=True):
+        assert f.shape == r.shape
+        torch.testing.assert_close(f, r, atol=1e-5, rtol=1e-5)
+
+
+def test_unrolled_training_forward_matches_chained_drafting(target: LlamaForCausalLM) -> None:
+    """The dense training forward of steps 1-3 computes what the paged head computes when it
+    drafts a chain: step 1 over teacher-forced pairs, then its own features fed back (the
+    head's cache holding the committed pairs and the chain's earlier drafts)."""
+    torch.manual_seed(5)
+    head = MTPHead(MTPHeadConfig.for_target(target.config)).eval()
+    lens = [9, 6, 12]
+    seqs = [torch.randint(0, VOCAB, (n,)).tolist() for n in lens]
+    feats = [torch.randn(n, 64) for n in lens]
+    emb = target.tok_embeddings
+    with torch.no_grad():
+        fwd = UnrolledHead(head, lens)
+        out1 = fwd.step(
+            torch.cat([f[:-1] for f in feats]),
+            emb(torch.tensor([t for s in seqs for t in s[1:]])),
+            torch.arange(sum(lens) - len(lens)),
+        )
+        rows2 = fwd.rows(2)
+        out2 = fwd.step(
+            out1[rows2],
+            emb(torch.tensor([seqs[fwd.seq1[r]][fwd.t1[r] + 2] for r in rows2.tolist()])),
+            rows2,
+        )
+        rows3 = fwd.rows(3)
+        out3 = fwd.step(
+            out2[torch.searchsorted(rows2, rows3)],
+            emb(torch.tensor([seqs[fwd.seq1[r]][fwd.t1[r] + 3] for r in rows3.tolist()])),
+            rows3,
+        )
+        for seq, t in [(0, 0), (0, 4), (1, 2), (2, 8)]:
+            s, f = seqs[seq], feats[seq]
+            table = BlockTable(PageAllocator(4), 16)
+            table.reserve(t + 3)
+            cache = head.new_cache(4, 16)
+            meta = AttentionMetadata.build([(table, 0, t + 1)])
+            chain = [head(f[: t + 1], emb(torch.tensor(s[1 : t + 2])), meta, cache)[-1:]]
+            for step in (1, 2):
+                meta = AttentionMetadata.build([(table, t + step, 1)])
+                tok = emb(torch.tensor([s[t + step + 1]]))
+                chain.append(head(chain[-1], tok, meta, cache))
+            for rows, out, got in [
+                (torch.arange(len(fwd.t1)), out1, chain[0]),
+                (rows2, out2, chain[1]),
+                (rows3, out3, chain[2]),
+            ]:
+                [i] = [
+                    j for j, r in enumerate(rows.tolist()) if fwd.seq1[r] == seq and fwd.t1[r] == t
+                ]
+                torch.testing.assert_close(out[i : i + 1], got, atol=1e-5, rtol=1e-5)
+
+
+def test_head_starts_from_the_targets_last_layer(target: LlamaForCausalLM) -> None:
+    head = MTPHead(MTPHeadConfig.for_target(target.config))
+    init_from_target(head, target)
+    last = target.layers[-1].state_dict()
+    for k, v in head.block.state_dict().items():
+        assert torch.equal(v, last[k]), k
+    with pytest.raises(ValueError, match="train.init"):
+        TrainConfig(init="zeros")
+    with pytest.raises(ValueError, match="train.unroll"):
+        TrainConfig(unroll=0)
+    with pytest.raises(ValueError, match="train.distill"):
+        TrainConfig(distill=1.5)
+
+
+def test_draft_vocabulary_fills_with_the_lowest_ids() -> None:
+    """Frequent answer tokens first; rare ones give way to the lowest ids (BPE merge order)."""
+    seqs, skip = [[3, 9, 5, 5, 7, 7, 7]], [1]
+    assert draft_vocabulary(seqs, skip, 2) == [5, 7]
+    assert draft_vocabulary(seqs, skip, 4) == [5, 7, 9]  # no vocab_size: nothing to fill
+    assert draft_vocabulary(seqs, skip, 4, vocab_size=12) == [0, 5, 7, 9]
+    assert draft_vocabulary(seqs, skip, 4, vocab_size=12, min_count=2) == [0, 1, 5, 7]
+
+
+def test_head_trained_on_the_targets_distribution_is_accepted(
+    target: LlamaForCausalLM,
+) -> None:
+    """All of the token loss on the target's own distribution (soft labels): the head still
+    learns what the target says on unseen prompts, and output stays the target's."""
+    prompts = _prompts(60, 96)
+    seqs = answer_prompts(target, prompts, answer_tokens=32)
+    feats = target_features(target, seqs)
+    cfg = TrainConfig(epochs=12, lr=3e-3, batch_tokens=512, distill=1.0)
+    head, _ = train_head(target, seqs, feats, cfg)
+    test_prompts = _prompts(70, 24)
+    base = [r.output_ids for r in GenerationEngine(target).generate(test_prompts, GREEDY)]
+    got, eng = _run(target, head, test_prompts)
+    assert got == base
+    untrained = MTPHead(MTPHeadConfig.for_target(target.config)).eval()
+    _, eng0 = _run(target, untrained, test_prompts)
+    assert eng.stats.acceptance_rate > 0.3, eng.stats.as_dict()
+    assert eng.stats.acceptance_rate > 3 * eng0.stats.acceptance_rate

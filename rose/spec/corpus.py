@@ -37,6 +37,12 @@ WORD_TEMPLATES = (
     "Give me two tips related to {w}.",
     "Compare {w} and {v}.",
     "Write a short story about {w} and {v}.",
+    "Write a short poem about {w}.",
+    "What are the benefits of {w}?",
+    "How do {w} and {v} differ?",
+    "Give step-by-step instructions involving {w}.",
+    "What should a beginner know about {w}?",
+    "Why do people care about {w}?",
 )
 DESCRIPTION_TEMPLATES = (
     "Explain what this software does: {d}.",

@@ -1,17 +1,21 @@
 """Train an MTP / EAGLE draft head for a target model (the target stays frozen).
 
 Pipeline: chat-style prompts built from local text (`rose.spec.corpus`, plus optional
-``--text`` files) → answered by the target itself (greedy, batched on the paged engine;
-kept in ``corpus.jsonl`` next to the head so a rerun with the same settings skips this) →
-target final hidden states for every position → the draft vocabulary (the answers' most
-frequent tokens) → head trained with teacher forcing: pair (feature t, token t + 1)
-predicts token t + 2 (cross-entropy through the target's LM head rows of the draft
-vocabulary) and regresses feature t + 1 (smooth L1, which keeps chained drafting, where the
-head feeds on its own features, close to the target); with ``--unroll 2`` the second
-chained draft is trained too. Saved with `MTPHead.save` after every epoch.
+``--text`` files) → answered by the target itself, greedy, in batches decoded in lockstep,
+keeping the target's final hidden state of every token as it goes (`answer_with_features`:
+no second pass; both kept next to the head, ``corpus.jsonl`` + ``features.safetensors``, so
+a rerun with the same settings skips this) → the draft vocabulary (the answers' most
+frequent tokens, topped up with the lowest BPE ids) → head trained with teacher forcing:
+pair (feature t, token t + 1) predicts token t + 2 (cross-entropy through the target's LM
+head rows of the draft vocabulary; ``--distill`` of it against the target's own distribution
+there instead of its one token) and regresses feature t + 1 (smooth L1). With
+``--unroll r`` the chain's drafts 2 .. r are trained as well, the head fed its own output
+features with the attention pattern chained drafting has (`UnrolledHead`). Saved with
+`MTPHead.save` after every epoch.
 
     python -m rose.spec.train_mtp [--model smollm2-135m-instruct] [--out DIR]
-        [--prompts 576] [--answer-tokens 80] [--draft-vocab 4096] [--epochs 4] [--unroll 2]
+        [--prompts 1536] [--answer-tokens 128] [--draft-vocab 4096] [--epochs 2] [--unroll 2]
+        [--distill 0.5] [--threads 1]
 
 Default output: ``~/.cache/trellis/heads/<model>-mtp`` (`default_head_dir`), where
 ``python -m bench spec`` looks. Device-agnostic PyTorch, but the command runs on CPU.
@@ -37,15 +41,18 @@ import torch.nn.functional as F
 from rose.kv.allocator import KVCacheConfig, PageAllocator
 from rose.kv.block_table import BlockTable
 from rose.kv.metadata import AttentionMetadata
-from rose.models.llama import LlamaForCausalLM
+from rose.models.llama import LlamaForCausalLM, apply_rope, rope_cos_sin, rope_inv_freq
 from rose.sampling import SamplingParams
 from rose.spec.mtp import MTPHead, MTPHeadConfig
 
 __all__ = [
     "TrainConfig",
+    "UnrolledHead",
     "answer_prompts",
+    "answer_with_features",
     "default_head_dir",
     "draft_vocabulary",
+    "init_from_target",
     "main",
     "target_features",
     "train_head",
@@ -56,8 +63,11 @@ __all__ = [
 class TrainConfig:
     """lr / weight_decay: AdamW. epochs: passes over the corpus (stops early at
     max_seconds). batch_tokens: tokens per optimizer step. feature_weight: weight of the
-    feature-regression loss. unroll: 1 trains the first draft only, 2 also the second
-    chained draft (weighted by unroll_weight). seed: initial weights and shuffling."""
+    feature-regression loss. unroll: chained drafts trained per pair (1: the first only;
+    step s weighted by unroll_weight ** (s - 1)). init: "random" or "last-layer" (the block
+    starts as the target's last layer). distill: the share of the token loss taken against
+    the target's distribution over the draft vocabulary (soft labels) instead of its token.
+    seed: initial weights and shuffling."""
 
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -67,6 +77,8 @@ class TrainConfig:
     feature_weight: float = 1.0
     unroll: int = 1
     unroll_weight: float = 0.5
+    init: str = "random"
+    distill: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -76,8 +88,12 @@ class TrainConfig:
             raise ValueError(f"train.epochs must be >= 1, got {self.epochs}")
         if self.batch_tokens < 2:
             raise ValueError(f"train.batch_tokens must be >= 2, got {self.batch_tokens}")
-        if self.unroll not in (1, 2):
-            raise ValueError(f"train.unroll must be 1 or 2, got {self.unroll}")
+        if not 1 <= self.unroll <= 4:
+            raise ValueError(f"train.unroll must be in 1..4, got {self.unroll}")
+        if not 0.0 <= self.distill <= 1.0:
+            raise ValueError(f"train.distill must be in [0, 1], got {self.distill}")
+        if self.init not in ("random", "last-layer"):
+            raise ValueError(f"train.init must be 'random' or 'last-layer', got {self.init!r}")
 
 
 def answer_prompts(
@@ -95,6 +111,60 @@ def answer_prompts(
     )
     results = eng.generate(prompts, SamplingParams(max_tokens=answer_tokens))
     return [list(r.prompt_ids) + list(r.output_ids) for r in results]
+
+
+@torch.no_grad()
+def answer_with_features(
+    model: LlamaForCausalLM,
+    prompts: Sequence[Sequence[int]],
+    answer_tokens: int,
+    batch: int = 128,
+    page_size: int = 16,
+) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Each prompt followed by the target's greedy answer, with the target's final-norm
+    hidden states ``[len(seq), H]`` of every token, computed while answering (no second
+    pass over the corpus). ``batch`` prompts are prefilled together, then decoded in
+    lockstep; a sequence stops after EOS or ``answer_tokens`` tokens."""
+    eos = set(model.config.eos_token_ids)
+    seqs: list[list[int]] = []
+    feats: list[torch.Tensor] = []
+    for lo in range(0, len(prompts), batch):
+        part = [list(p) for p in prompts[lo : lo + batch]]
+        need = [-(-(len(p) + answer_tokens + 1) // page_size) for p in part]
+        alloc = PageAllocator(sum(need))
+        cache = model.new_cache(sum(need), page_size)
+        tables = []
+        for p in part:
+            t = BlockTable(alloc, page_size)
+            t.reserve(len(p) + answer_tokens + 1)
+            tables.append(t)
+        meta = AttentionMetadata.build([(t, 0, len(p)) for t, p in zip(tables, part, strict=True)])
+        ids = torch.tensor([t for p in part for t in p])
+        out = model(ids, meta, cache, logits_index=meta.last_index, return_all_hidden=True)
+        assert out.all_hidden is not None
+        hid: list[list[torch.Tensor]] = [[h] for h in out.all_hidden.split([len(p) for p in part])]
+        for j, tok in enumerate(out.logits.argmax(-1).tolist()):
+            part[j].append(tok)
+        prompt_lens = [len(p) - 1 for p in part]
+        # a sequence is live while its last token's hidden state is still missing
+        live = list(range(len(part)))
+        while live:
+            meta = AttentionMetadata.build([(tables[j], len(part[j]) - 1, 1) for j in live])
+            ids = torch.tensor([part[j][-1] for j in live])
+            out = model(ids, meta, cache, return_all_hidden=True)
+            assert out.all_hidden is not None
+            best = out.logits.argmax(-1).tolist()
+            still = []
+            for row, j in enumerate(live):
+                hid[j].append(out.all_hidden[row : row + 1])
+                done = part[j][-1] in eos or len(part[j]) - prompt_lens[j] >= answer_tokens
+                if not done:
+                    part[j].append(best[row])
+                    still.append(j)
+            live = still
+        seqs.extend(part)
+        feats.extend(torch.cat(h) for h in hid)
+    return seqs, feats
 
 
 def _ragged(seqs: Sequence[Sequence[int]], page_size: int = 64) -> AttentionMetadata:
@@ -138,13 +208,113 @@ def _batches(order: list[int], lengths: list[int], budget: int) -> list[list[int
     return [g for g in groups if g]
 
 
-def draft_vocabulary(seqs: Sequence[Sequence[int]], skip: Sequence[int], size: int) -> list[int]:
-    """The ``size`` most frequent tokens of the target's answers (``seq[skip[i]:]``), ties
-    broken by id; with ``size`` >= the distinct count every seen token is kept."""
+def draft_vocabulary(
+    seqs: Sequence[Sequence[int]],
+    skip: Sequence[int],
+    size: int,
+    vocab_size: int = 0,
+    min_count: int = 1,
+) -> list[int]:
+    """The ``size`` most frequent tokens of the target's answers (``seq[skip[i]:]``) seen at
+    least ``min_count`` times, ties broken by id. When fewer qualify and ``vocab_size`` is
+    given, the lowest other ids fill the rest: a byte-level BPE numbers its tokens in merge
+    order, roughly by frequency in the tokenizer's training text, so they are the likeliest
+    words a small corpus did not show."""
     counts: Counter[int] = Counter()
     for s, k in zip(seqs, skip, strict=True):
         counts.update(s[k:])
-    return sorted(sorted(counts, key=lambda t: (-counts[t], t))[:size])
+    seen = [t for t in counts if counts[t] >= min_count]
+    chosen = set(sorted(seen, key=lambda t: (-counts[t], t))[:size])
+    for t in range(vocab_size):
+        if len(chosen) >= size:
+            break
+        chosen.add(t)
+    return sorted(chosen)
+
+
+class UnrolledHead:
+    """Training-time forward of a head over whole sequences, for ``steps`` chained drafts
+    at once (dense attention; inference uses the paged `MTPHead.forward`).
+
+    Step 1 sees pair t = (target feature t, token t + 1) at position t. Step r > 1 stands in
+    for what chained drafting feeds the head: pair t's step r - 1 output feature with token
+    t + r, at position t + r - 1. As at inference, its query attends to the target-fed pairs
+    0 .. t of step 1 (the head's cache of committed tokens) and to pair t's own entries of
+    steps 2 .. r (the earlier drafts of the same chain), and to nothing else."""
+
+    def __init__(self, head: MTPHead, lengths: Sequence[int]) -> None:
+        self.head = head
+        inv = rope_inv_freq(head.config.block_config())
+        self.inv_freq = inv.to(head.fuse.weight.device)
+        n1 = [n - 1 for n in lengths]  # step-1 pairs per sequence
+        self.seq1 = torch.repeat_interleave(torch.arange(len(n1)), torch.tensor(n1))  # [P]
+        self.t1 = torch.cat([torch.arange(n) for n in n1])  # [P] pair index in its sequence
+        self.n1 = n1
+        self.keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.key_seq: list[torch.Tensor] = []
+        self.key_t: list[torch.Tensor] = []
+        self.key_step: list[int] = []
+
+    def rows(self, step: int) -> torch.Tensor:
+        """Indices into step-1 pairs of the pairs that have a step ``step`` ([P_step])."""
+        lim = torch.tensor(self.n1)[self.seq1] - (step - 1)
+        return torch.nonzero(self.t1 < lim).flatten()
+
+    def step(
+        self, hidden: torch.Tensor, token_emb: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """One chained step for step-1 pairs ``rows``: hidden / token_emb ``[R, H]`` →
+        normed output feature ``[R, H]``."""
+        head, blk = self.head, self.head.block
+        att = blk.attention
+        step = len(self.keys) + 1
+        seq, t = self.seq1[rows], self.t1[rows]
+        cos, sin = rope_cos_sin(self.inv_freq, t + step - 1, hidden.dtype)
+        x = torch.cat([head.embed_norm(token_emb), head.hidden_norm(hidden)], dim=-1)  # [R, 2H]
+        x = head.fuse(x)  # [R, H]
+        a = blk.attention_norm(x)
+        r = x.shape[0]
+        q = apply_rope(att.wq(a).view(r, att.n_heads, att.head_dim), cos, sin)  # [R, Hq, D]
+        k = apply_rope(att.wk(a).view(r, att.n_kv, att.head_dim), cos, sin)  # [R, Hkv, D]
+        v = att.wv(a).view(r, att.n_kv, att.head_dim)  # [R, Hkv, D]
+        self.keys.append((k, v))
+        self.key_seq.append(seq)
+        self.key_t.append(t)
+        self.key_step.append(step)
+        ks = torch.cat([kv[0] for kv in self.keys])  # [K, Hkv, D]
+        vs = torch.cat([kv[1] for kv in self.keys])  # [K, Hkv, D]
+        kseq, kt = torch.cat(self.key_seq), torch.cat(self.key_t)  # [K]
+        kstep = torch.cat(
+            [torch.full_like(kk, s) for kk, s in zip(self.key_t, self.key_step, strict=True)]
+        )
+        same = kseq[None, :] == seq[:, None]  # [R, K]
+        past = (kstep[None, :] == 1) & (kt[None, :] <= t[:, None])
+        chain = (kstep[None, :] > 1) & (kt[None, :] == t[:, None])
+        mask = (same & (past | chain))[None, None]  # [1, 1, R, K]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],  # [1, Hq, R, D]
+            ks.transpose(0, 1)[None],  # [1, Hkv, K, D]
+            vs.transpose(0, 1)[None],  # [1, Hkv, K, D]
+            attn_mask=mask,
+            enable_gqa=att.n_heads != att.n_kv,
+        )  # [1, Hq, R, D]
+        out = out[0].transpose(0, 1).reshape(r, att.n_heads * att.head_dim)  # [R, Hq*D]
+        x = x + att.wo(out)
+        x = x + blk.mlp(blk.mlp_norm(x))
+        return head.norm(x)
+
+
+def init_from_target(head: MTPHead, model: LlamaForCausalLM) -> None:
+    """Start the head's decoder block as a copy of the target's last layer (same shapes).
+    ``model`` must hold dense weights (``from_pretrained(..., packed=False)``)."""
+    state = model.layers[-1].state_dict()
+    want = set(head.block.state_dict())
+    if set(state) != want:
+        raise ValueError(
+            f"train.init='last-layer' needs the target's dense layer weights {sorted(want)}, "
+            f"got {sorted(state)} (load the target with packed=False)"
+        )
+    head.block.load_state_dict({k: v.detach().clone() for k, v in state.items()})
 
 
 def train_head(
@@ -155,14 +325,18 @@ def train_head(
     log: Callable[[str], None] = lambda _: None,
     draft_vocab: Sequence[int] | None = None,
     checkpoint: Callable[[MTPHead, list[float]], None] | None = None,
+    init_source: LlamaForCausalLM | None = None,
 ) -> tuple[MTPHead, list[float]]:
     """Train a fresh head on (sequence, target features) pairs; returns it and the mean
-    loss of each epoch. ``draft_vocab``: target ids the head drafts among (None: all);
-    labels outside it are not trained on. ``checkpoint`` is called after every epoch.
+    next-token loss of each epoch. ``draft_vocab``: target ids the head drafts among (None:
+    all); labels outside it are not trained on. ``checkpoint`` is called after every epoch.
+    ``init_source``: the target with dense weights for ``cfg.init`` = "last-layer" (default
+    ``model``).
 
-    With ``cfg.unroll`` = 2 each batch also trains the second chained draft: the head's
-    own output feature for pair t stands in for the target's feature t + 1, paired with
-    token t + 2, and must predict token t + 3 (what chained drafting feeds it)."""
+    Step 1 (teacher forcing): pair t = (feature t, token t + 1) predicts token t + 2 and
+    regresses feature t + 1. With ``cfg.unroll`` = r > 1 the chain's later drafts are trained
+    too (`UnrolledHead`): step s feeds the head's own step s - 1 output with token t + s and
+    predicts token t + s + 1 (loss weight ``unroll_weight ** (s - 1)``)."""
     torch.manual_seed(cfg.seed)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -171,6 +345,8 @@ def train_head(
         model.config, 0 if draft_vocab is None else len(draft_vocab)
     )
     head = MTPHead(head_cfg).to(model.tok_embeddings.weight.device)
+    if cfg.init == "last-layer":
+        init_from_target(head, init_source or model)
     # label id -> row of the draft vocabulary (-100: not draftable, not trained on)
     to_row = torch.arange(vocab)
     if draft_vocab is not None:
@@ -203,40 +379,42 @@ def train_head(
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             step += 1
-            # pair t = (feature t, token t + 1) for t in [0, T - 2]; label token t + 2
-            pairs = [len(seqs[i]) - 1 for i in group]
-            meta = _ragged([[0] * n for n in pairs])
-            cache = head.new_cache(int(meta.kv_slots.max()) // 64 + 1, 64)
-            hid = torch.cat([features[i][:-1] for i in group])  # [P, H]
-            toks = torch.tensor([t for i in group for t in seqs[i][1:]])  # [P]
-            out = head(hid, model.tok_embeddings(toks), meta, cache)  # [P, H]
-            last = torch.zeros(len(toks), dtype=torch.bool)
-            last[meta.last_index] = True  # the final pair of a sequence has no label
-            labels = torch.tensor([t for i in group for t in [*seqs[i][2:], vocab]])
-            labels = to_row[labels].masked_fill(last, -100)
-            feat_target = torch.cat([features[i][1:] for i in group])  # [P, H]
-            ce = F.cross_entropy(out @ lm_w.T, labels, ignore_index=-100)
-            reg = F.smooth_l1_loss(out[~last], feat_target[~last])
-            loss = ce + cfg.feature_weight * reg
-            if cfg.unroll >= 2:
-                # pair t' = (head feature for t + 1, token t + 2) → token t + 3
-                pairs2 = [n - 1 for n in pairs]
-                keep = torch.cat([torch.arange(n) < n - 1 for n in pairs])  # drop each last
-                meta2 = _ragged([[0] * n for n in pairs2])
-                cache2 = head.new_cache(int(meta2.kv_slots.max()) // 64 + 1, 64)
-                toks2 = torch.tensor([t for i in group for t in seqs[i][2:]])
-                out2 = head(out[keep], model.tok_embeddings(toks2), meta2, cache2)
-                last2 = torch.zeros(len(toks2), dtype=torch.bool)
-                last2[meta2.last_index] = True
-                labels2 = torch.tensor([t for i in group for t in [*seqs[i][3:], vocab]])
-                labels2 = to_row[labels2].masked_fill(last2, -100)
-                ce2 = F.cross_entropy(out2 @ lm_w.T, labels2, ignore_index=-100)
-                loss = loss + cfg.unroll_weight * ce2
+            glen = torch.tensor([lengths[i] for i in group])  # [G]
+            fwd = UnrolledHead(head, glen.tolist())
+            flat_tok = torch.tensor([t for i in group for t in seqs[i]])  # [sum L]
+            flat_feat = torch.cat([features[i] for i in group])  # [sum L, H]
+            starts = torch.cumsum(glen, 0) - glen  # [G] offset of each sequence
+            base = starts[fwd.seq1] + fwd.t1  # [P] flat index of token t of each pair
+            rows = torch.arange(len(base))
+            out = flat_feat[base]  # step 1 feeds the target's feature t
+            loss = torch.zeros(())
+            for s in range(1, cfg.unroll + 1):
+                if s > 1:  # step s feeds step s - 1's output features
+                    keep = fwd.rows(s)
+                    if len(keep) == 0:
+                        break
+                    out, rows = out[torch.searchsorted(rows, keep)], keep
+                out = fwd.step(out, model.tok_embeddings(flat_tok[base[rows] + s]), rows)
+                # label: token t + s + 1 when the sequence has it
+                has = fwd.t1[rows] + s + 1 < glen[fwd.seq1[rows]]
+                lab = torch.where(has, flat_tok[torch.where(has, base[rows] + s + 1, 0)], vocab)
+                logits = out @ lm_w.T  # [R, N]
+                ce = F.cross_entropy(logits, to_row[lab], ignore_index=-100)
+                feat = flat_feat[base[rows] + s]  # target feature t + s: [R, H]
+                reg = F.smooth_l1_loss(out, feat)
+                if cfg.distill > 0:  # the target's own distribution over the draft vocabulary
+                    with torch.no_grad():
+                        p_t = torch.softmax(feat @ lm_w.T, dim=-1)  # [R, N]
+                    soft = -(p_t * torch.log_softmax(logits, dim=-1)).sum(-1)
+                    soft = soft[has].mean() if bool(has.any()) else soft.sum() * 0
+                    ce = (1 - cfg.distill) * ce + cfg.distill * soft
+                loss = loss + cfg.unroll_weight ** (s - 1) * (ce + cfg.feature_weight * reg)
+                if s == 1:
+                    total += float(ce.detach()) * len(group)
+                    count += len(group)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total += float(ce.detach()) * len(group)
-            count += len(group)
             if time.perf_counter() - t0 > cfg.max_seconds:
                 break
         history.append(total / max(count, 1))
@@ -273,14 +451,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--text", type=Path, action="append", default=[], help="extra prompt lines (files)"
     )
     ap.add_argument("--out", type=Path, help="default: ~/.cache/trellis/heads/<model>-mtp")
-    ap.add_argument("--prompts", type=int, default=576)
-    ap.add_argument("--answer-tokens", type=int, default=80)
-    ap.add_argument("--minutes", type=float, default=12.0, help="training time budget")
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument(
+        "--corpus-dir", type=Path, help="where the answered corpus is kept (default: --out)"
+    )
+    ap.add_argument(
+        "--corpus-only", action="store_true", help="build the corpus and features, then stop"
+    )
+    ap.add_argument("--prompts", type=int, default=1536)
+    ap.add_argument("--answer-tokens", type=int, default=128)
+    ap.add_argument("--minutes", type=float, default=25.0, help="training time budget")
+    ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--batch-tokens", type=int, default=512)
-    ap.add_argument("--unroll", type=int, default=2)
+    ap.add_argument("--unroll", type=int, default=2, help="chained drafts trained per pair")
+    ap.add_argument("--unroll-weight", type=float, default=0.5, help="loss decay per step")
+    ap.add_argument("--feature-weight", type=float, default=1.0, help="feature regression")
+    ap.add_argument("--weight-decay", type=float, default=0.0)
+    ap.add_argument(
+        "--distill", type=float, default=0.5, help="weight of the target-distribution loss"
+    )
+    ap.add_argument(
+        "--init", choices=("random", "last-layer"), default="random", help="head block init"
+    )
     ap.add_argument("--draft-vocab", type=int, default=4096, help="0: the whole vocabulary")
+    ap.add_argument(
+        "--draft-min-count",
+        type=int,
+        default=1,
+        help="answer tokens seen fewer times give way to the lowest (most common BPE) ids",
+    )
     ap.add_argument(
         "--threads",
         type=int,
@@ -306,8 +505,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     out_dir = args.out or default_head_dir(args.model)
     out_dir.mkdir(parents=True, exist_ok=True)
     model = LlamaForCausalLM.from_pretrained(path)
-    t0 = time.perf_counter()
-    corpus_file = out_dir / "corpus.jsonl"
+    t0, c0 = time.perf_counter(), time.process_time()
+    corpus_dir = args.corpus_dir or out_dir
+    corpus_dir.mkdir(parents=True, exist_ok=True)
+    corpus_file = corpus_dir / "corpus.jsonl"
     corpus_key = {
         "prompts": args.prompts,
         "answer_tokens": args.answer_tokens,
@@ -316,8 +517,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "exclude": sorted(args.exclude),
     }
     seqs, skip = _load_corpus(corpus_file, corpus_key)
+    feats_file = corpus_dir / "features.safetensors"
     if seqs:
         print(f"corpus: reusing {len(seqs)} answered prompts from {corpus_file}", flush=True)
+        feats = _cached_features(model, seqs, feats_file, corpus_key)
     else:
         tok = transformers.AutoTokenizer.from_pretrained(path)
         texts = _read_prompts(args.text, args.prompts)
@@ -330,15 +533,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 [{"role": "user", "content": t}], add_generation_prompt=True
             )
             prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
-        seqs = answer_prompts(model, prompts, args.answer_tokens, batch=args.gen_batch)
+        seqs, feats = answer_with_features(model, prompts, args.answer_tokens, args.gen_batch)
         skip = [len(p) for p in prompts]
         _save_corpus(corpus_file, corpus_key, seqs, skip)
+        _save_features(feats_file, feats, _features_tag(corpus_key, seqs))
+        build = {"wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+        (corpus_dir / "corpus_build.json").write_text(json.dumps(build) + "\n")
         print(
             f"corpus: {len(seqs)} prompts answered in {time.perf_counter() - t0:.0f} s", flush=True
         )
-    feats = _cached_features(model, seqs, out_dir / "features.safetensors", corpus_key)
     print(f"features: {time.perf_counter() - t0:.0f} s", flush=True)
-    vocab = draft_vocabulary(seqs, skip, args.draft_vocab) if args.draft_vocab else None
+    if args.corpus_only:
+        return 0
+    vocab = None
+    if args.draft_vocab:
+        vocab = draft_vocabulary(
+            seqs, skip, args.draft_vocab, model.config.vocab_size, args.draft_min_count
+        )
     if vocab is not None:
         answer_toks = [t for s, k in zip(seqs, skip, strict=True) for t in s[k:]]
         vset = set(vocab)
@@ -350,9 +561,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_seconds=args.minutes * 60,
         batch_tokens=args.batch_tokens,
         unroll=args.unroll,
+        unroll_weight=args.unroll_weight,
+        feature_weight=args.feature_weight,
+        weight_decay=args.weight_decay,
+        init=args.init,
+        distill=args.distill,
         seed=args.seed,
     )
     n_tok = sum(len(s) for s in seqs)
+    build_file = corpus_dir / "corpus_build.json"
+    build = json.loads(build_file.read_text()) if build_file.is_file() else {}
+    t1, c1 = time.perf_counter(), time.process_time()
 
     def note(history: list[float]) -> dict[str, Any]:
         return {
@@ -361,8 +580,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "train_note": (
                 f"{len(seqs)} local prompts answered by the target (up to {args.answer_tokens} "
                 f"tokens, {n_tok} tokens in all), draft vocabulary {args.draft_vocab or 'full'}, "
-                f"unroll {args.unroll}, {len(history)} epochs, "
-                f"{time.perf_counter() - t0:.0f} s in all on {args.threads} threads"
+                f"unroll {args.unroll}, {len(history)} epochs on {args.threads} threads; "
+                f"corpus + features {build.get('wall_s', float('nan')):.0f} s wall / "
+                f"{build.get('cpu_s', float('nan')):.0f} s CPU, training "
+                f"{time.perf_counter() - t1:.0f} s wall / {time.process_time() - c1:.0f} s CPU"
             ),
             "command": "python -m rose.spec.train_mtp " + shlex.join(args_list),
         }
@@ -378,6 +599,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         log=lambda m: print(m, flush=True),
         draft_vocab=vocab,
         checkpoint=checkpoint,
+        init_source=(
+            LlamaForCausalLM.from_pretrained(path, packed=False)
+            if args.init == "last-layer"
+            else None
+        ),
     )
     head.save(out_dir, extra=note(history))
     print(f"saved {out_dir} after {time.perf_counter() - t0:.0f} s", flush=True)
@@ -388,9 +614,9 @@ def _cached_features(
     model: LlamaForCausalLM, seqs: Sequence[Sequence[int]], file: Path, key: dict[str, Any]
 ) -> list[torch.Tensor]:
     """Target features of the corpus, kept next to it (recomputed when the corpus changes)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
-    tag = json.dumps({**key, "tokens": sum(len(s) for s in seqs)}, sort_keys=True)
+    tag = _features_tag(key, seqs)
     if file.is_file():
         from safetensors import safe_open
 
@@ -400,8 +626,20 @@ def _cached_features(
             flat = load_file(str(file))["features"]
             return list(flat.split([len(s) for s in seqs]))
     feats = target_features(model, seqs)
-    save_file({"features": torch.cat(feats).contiguous()}, str(file), metadata={"corpus": tag})
+    _save_features(file, feats, tag)
     return feats
+
+
+def _features_tag(key: dict[str, Any], seqs: Sequence[Sequence[int]]) -> str:
+    return json.dumps({**key, "tokens": sum(len(s) for s in seqs)}, sort_keys=True)
+
+
+def _save_features(file: Path, feats: Sequence[torch.Tensor], tag: str) -> None:
+    from safetensors.torch import save_file
+
+    save_file(
+        {"features": torch.cat(list(feats)).contiguous()}, str(file), metadata={"corpus": tag}
+    )
 
 
 def _load_corpus(file: Path, key: dict[str, Any]) -> tuple[list[list[int]], list[int]]:
