@@ -423,10 +423,10 @@ def _write(
         "## Verification cost by tokens per pass",
         "",
         "One target pass over n new tokens after 200 cached ones (the verification of n - 1 "
-        "drafts), median of 5, ms. This CPU's BLAS runs 2-3 row matmuls about row by row: "
-        "for the 49152 x 576 LM head that costs more than 4 rows, so the engine pads 2-3 "
-        "logit rows to 4 (included here); the layers' small matmuls still make any "
-        "verification cost 1.5x+ a single-token step.",
+        "drafts), median of 5, ms. One-row passes run MKL on a W.T copy of each weight, "
+        "passes over several rows oneDNN's kernels on weights packed once (rose/packed.py), "
+        "so 3-5 tokens cost about one plain step; oneDNN is slowest at 2 rows, and 2-3 logit "
+        "rows are padded to 4 (included here).",
         "",
         "| tokens | " + " | ".join(str(n) for n in costs) + " |",
         "|---|" + "---|" * len(costs),
