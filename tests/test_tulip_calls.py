@@ -244,9 +244,11 @@ def test_ivy_mux_fails_pending_calls_with_unavailable_when_the_replica_dies(
                 mux = CallMux(pb_grpc.InferenceStub(channel))
                 await mux.embed(embed_request([[0, 5, 2]]), 60)  # the stream is open
                 pending = [
-                    asyncio.ensure_future(mux.embed(embed_request(blocker), 60)) for _ in range(3)
+                    asyncio.ensure_future(mux.embed(embed_request(blocker), 60)) for _ in range(6)
                 ]
-                await asyncio.sleep(0.2)
+                # Kill once the first batch is answered: the other five (one batch each,
+                # run one after another) are then still queued or running.
+                await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 proc.process.kill()  # type: ignore[union-attr]
                 outcomes = await asyncio.gather(*pending, return_exceptions=True)
                 with pytest.raises(CallFailed) as after:
@@ -255,6 +257,9 @@ def test_ivy_mux_fails_pending_calls_with_unavailable_when_the_replica_dies(
                 return outcomes, after.value
 
         outcomes, after = asyncio.run(main())
-    assert outcomes and all(isinstance(o, CallFailed) for o in outcomes), outcomes
-    assert {o.code() for o in outcomes} == {grpc.StatusCode.UNAVAILABLE}  # type: ignore[union-attr]
+    failed = [o for o in outcomes if isinstance(o, CallFailed)]
+    answered = [o for o in outcomes if isinstance(o, pb.EmbedResponse)]
+    assert len(failed) + len(answered) == len(outcomes), outcomes  # nothing else, no hang
+    assert len(failed) >= 3, outcomes  # at most two batches can finish before the kill lands
+    assert {o.code() for o in failed} == {grpc.StatusCode.UNAVAILABLE}
     assert after.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
