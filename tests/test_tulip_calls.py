@@ -31,20 +31,6 @@ BUDGET = 256  # --max-batch-tokens: a 4 x 128 request runs alone and takes a whi
 
 
 @pytest.fixture(scope="module")
-def e5_dir() -> Path:
-    from rose.assets import ensure_model
-
-    return Path(ensure_model("multilingual-e5-small"))
-
-
-@pytest.fixture(scope="module")
-def e5_engine(e5_dir: Path) -> Engine:
-    from rose import EngineConfig
-
-    return Engine.load(e5_dir, EngineConfig(device="cpu"))
-
-
-@pytest.fixture(scope="module")
 def server(e5_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TulipProcess]:
     log = tmp_path_factory.mktemp("tulip") / "calls.log"
     args = ["--model", str(e5_dir), "--max-batch-tokens", str(BUDGET)]

@@ -34,20 +34,6 @@ STATUS = health_pb2.HealthCheckResponse
 
 
 @pytest.fixture(scope="module")
-def e5_dir() -> Path:
-    from rose.assets import ensure_model
-
-    return Path(ensure_model("multilingual-e5-small"))
-
-
-@pytest.fixture(scope="module")
-def e5_engine(e5_dir: Path) -> Engine:
-    from rose import EngineConfig
-
-    return Engine.load(e5_dir, EngineConfig(device="cpu"))
-
-
-@pytest.fixture(scope="module")
 def e5_server(e5_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TulipProcess]:
     log = tmp_path_factory.mktemp("tulip") / "e5.log"
     args = ["--model", str(e5_dir), "--max-batch-tokens", "256", "--max-queued-tokens", "1024"]
