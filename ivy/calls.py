@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
 
 import grpc
 
@@ -28,8 +27,6 @@ from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
 
 __all__ = ["CallFailed", "CallMux"]
-
-log = logging.getLogger(__name__)
 
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 

@@ -209,7 +209,11 @@ class MLP(nn.Module):
         self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
         self.down = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
         self.act = _ACTIVATIONS[cfg.hidden_act]
-        self.act_fused = False  # True once `up` applies the activation itself
+
+    @property
+    def act_fused(self) -> bool:
+        """True when `up` applies the activation itself (a packed layer with it fused)."""
+        return getattr(self.up, "activation", "none") != "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)  # [T, I]
@@ -412,11 +416,7 @@ class BertFamilyModel(nn.Module):
         names = {}
         if fused is not None:
             names = {f"encoder.layers.{i}.mlp.up": fused for i in range(self.cfg.num_layers)}
-        count = pack_linears(self, batch_hint, names)
-        if count and fused is not None:
-            for layer in self.encoder.layers:
-                layer.mlp.act_fused = True
-        return count
+        return pack_linears(self, batch_hint, names)
 
 
 def position_ids(cfg: BertConfig, ids: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
