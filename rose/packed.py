@@ -64,6 +64,8 @@ class PackedLinear(nn.Module):
 
     batch_hint: the number of rows oneDNN tunes the layout for; any row count works.
     keep_dense: keep a reference to the dense weight (when another module shares it).
+    Inputs of another dtype than the weight (fp32 activations on bf16 weights, as the MTP
+    drafter runs) are cast to it and the result back.
     single_row: also keep ``W.T`` contiguous ``[in, out]`` for one-row inputs, which MKL's
         plain GEMM streams faster than oneDNN's packed kernel (SmolLM2's 49152 x 576 LM
         head: ~4.5 vs ~8.5 ms on one thread; a whole 1-token decode step ~6% faster with
@@ -108,6 +110,11 @@ class PackedLinear(nn.Module):
         return self._packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self._packed.dtype:  # bf16 weights under fp32 activations
+            return self._forward(x.to(self._packed.dtype)).to(x.dtype)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._single_row is not None and x.dim() == 2 and x.shape[0] == 1:
             y = x @ self._single_row  # [1, out]
             return y if self.bias is None else y + self.bias

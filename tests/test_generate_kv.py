@@ -56,6 +56,23 @@ def test_metadata_masks_ragged_batch() -> None:
     assert torch.equal(meta.slot_mapping[:2], t1.slots(3, 5))
 
 
+@pytest.mark.parametrize(("cached", "new"), [(0, 1), (0, 5), (7, 1), (7, 4), (16, 3)])
+def test_one_sequence_metadata_equals_the_padded_build(cached: int, new: int) -> None:
+    a = PageAllocator(16)
+    t = BlockTable(a, 4)
+    a.allocate(1)  # so the table's pages are not simply 0, 1, 2, ...
+    t.reserve(cached + new)
+    fast = AttentionMetadata.build([(t, cached, new)])
+    full = AttentionMetadata._padded([(t, cached, new)], [new], "cpu")
+    for name in ("positions", "slot_mapping", "q_index", "out_index", "kv_slots"):
+        assert torch.equal(getattr(fast, name), getattr(full, name)), name
+    assert torch.equal(fast.last_index, full.last_index)
+    assert torch.equal(fast.cu_seqlens, full.cu_seqlens)
+    assert (fast.mask is None) == (full.mask is None)
+    if fast.mask is not None:
+        assert torch.equal(fast.mask, full.mask)
+
+
 def test_config_errors_name_the_key() -> None:
     with pytest.raises(ValueError, match="kv.page_size"):
         KVCacheConfig(page_size=0)

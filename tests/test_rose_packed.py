@@ -61,6 +61,20 @@ def test_single_row_copy_serves_one_row_and_packed_serves_the_rest(bias: bool) -
     )
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_bf16_weights_under_fp32_activations(rows: int) -> None:
+    lin = _linear(96, 200, True).to(torch.bfloat16)
+    packed = PackedLinear(lin, batch_hint=4, single_row=True)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    got = packed(x)
+    assert got.dtype == torch.float32  # the caller's dtype comes back
+    # the product is bf16 x bf16 (fp32 accumulation), as F.linear on bf16 inputs computes it
+    want = F.linear(x.to(torch.bfloat16), lin.weight, lin.bias).float()
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0.02)
+    exact = F.linear(x, lin.weight.float(), lin.bias.float())
+    assert (got - exact).abs().max() > 0  # it did run in bf16, not silently in fp32
+
+
 def test_packed_linear_takes_any_leading_shape_and_strides() -> None:
     lin = _linear(64, 48, True)
     packed = PackedLinear(lin, batch_hint=512)

@@ -55,6 +55,17 @@ class AttentionMetadata:
         q_lens = [n for _, _, n in entries]
         if min(q_lens) < 1:
             raise ValueError("every sequence needs at least one new token")
+        if len(entries) == 1:
+            return AttentionMetadata._one_sequence(*entries[0], device=device)
+        return AttentionMetadata._padded(entries, q_lens, device)
+
+    @staticmethod
+    def _padded(
+        entries: Sequence[tuple[BlockTable, int, int]],
+        q_lens: list[int],
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """The general case: ragged sequences on a padded ``[B, Lq]`` x ``[B, Lk]`` view."""
         cached = [c for _, c, _ in entries]
         kv_lens = [c + n for c, n in zip(cached, q_lens, strict=True)]
         b, lq, lk = len(entries), max(q_lens), max(kv_lens)
@@ -91,4 +102,29 @@ class AttentionMetadata:
             mask=None if mask is None else mask.to(device),
             last_index=(cu[1:] - 1).to(device),
             cu_seqlens=cu.to(device),
+        )
+
+    @staticmethod
+    def _one_sequence(
+        table: BlockTable, cached: int, new: int, device: torch.device | str
+    ) -> AttentionMetadata:
+        """`build` for a batch of one (decode at batch 1 and every draft-head step): the same
+        tensors from a handful of ops, since no padding is needed (~4x fewer ops)."""
+        total = cached + new
+        slots = table.slots(0, total)  # [Lk]
+        positions = torch.arange(cached, total)  # [T]
+        ar = torch.arange(new)
+        if new == 1:
+            mask = None
+        else:  # query i (position cached + i) sees keys 0 .. cached + i
+            mask = (torch.arange(total)[None, :] <= positions[:, None])[None, None]
+        return AttentionMetadata(
+            positions=positions.to(device),
+            slot_mapping=slots[cached:].to(device),
+            q_index=ar[None].to(device),
+            out_index=ar.to(device),
+            kv_slots=slots[None].to(device),
+            mask=None if mask is None else mask.to(device),
+            last_index=torch.tensor([new - 1], device=device),
+            cu_seqlens=torch.tensor([0, new], device=device),
         )
