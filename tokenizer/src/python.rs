@@ -92,7 +92,7 @@ fn encode_packed(
 ) -> Result<(Vec<u32>, Vec<u32>), Error> {
     let chunk = texts
         .len()
-        .div_ceil(rayon::current_num_threads() * 4)
+        .div_ceil(rayon::current_num_threads() * 16)
         .max(1);
     let parts: Vec<Result<Packed, Error>> = texts
         .par_chunks(chunk)
@@ -262,7 +262,10 @@ impl PyTokenizer {
         let items = str_items(documents, "documents")?;
         let docs = as_strs(&items)?;
         let tok = &*self.inner;
-        let chunk = docs.len().div_ceil(rayon::current_num_threads() * 4).max(1);
+        let chunk = docs
+            .len()
+            .div_ceil(rayon::current_num_threads() * 16)
+            .max(1);
         type Part = Result<(Vec<u32>, Vec<u32>, Vec<u32>), Error>;
         let parts: Vec<Part> = py.detach(|| {
             docs.par_chunks(chunk)

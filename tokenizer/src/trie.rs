@@ -8,16 +8,36 @@
 //! touches one 16-byte node, four of which share a cache line. Construction places each
 //! node's children so that their slots are free (first fit) and pads the array so that
 //! `base + c < nodes.len()` for every base and every code, which is what makes the
-//! unchecked indexing in [`step`] sound. A node that ends a piece carries the piece's
-//! score (the Viterbi loop needs it at every match); the piece's id lives in a side array
-//! indexed by node, read only for the pieces of the winning path.
+//! unchecked indexing in [`step`] sound.
+//!
+//! A node that ends a piece carries everything the Viterbi pass needs from it — the
+//! piece's exact `f64` score and its id — so a match reads no memory beyond the node the
+//! walk has just loaded:
+//!
+//! ```text
+//! node (16 bytes, align 16 — four to a cache line)
+//! ┌────────────────────────┬────────────────────────┬──────────────┬──────────────────────┐
+//! │ check: u32             │ base: u32              │ score: f32   │ tag: u32             │
+//! │ 0–23: parent index     │ 0–30: children offset  │ the piece's  │ 0–7: k (i8)          │
+//! │ 24–31: child filter    │ 31: ends a piece       │ score, to f32│ 8–31: piece id       │
+//! └────────────────────────┴────────────────────────┴──────────────┴──────────────────────┘
+//! exact score = f64::from_bits((score as f64).to_bits() + k)
+//! ```
+//!
+//! Scores in `tokenizer.json` are `f32` values printed with 16 digits and read back as
+//! `f64` (not always the `f32` itself), so they lie within a few `f64` units in the last
+//! place of their `f32` rounding; `k` is that distance in bit patterns (both have the same
+//! sign, so it is a count of `f64` steps; XLM-R's are −1, 0 or +1). When some piece's
+//! score is not reproduced exactly this way (`k` outside `i8`: a score far from every
+//! `f32`, beyond its range or below its precision) or some id needs more than 24 bits,
+//! the trie is built in the [`Scores::Side`] form instead: `tag` is the whole id and the
+//! exact scores live in a side array by id. Both forms give identical results;
+//! [`Trie::scores`] says which one a trie uses, and construction checks every piece's
+//! round trip (bit for bit) in debug builds.
 
 use std::collections::HashMap;
 
 use crate::pages::{PageBuf, PageKind};
-
-/// Id of nodes that end no piece (in the side array of ids).
-pub(crate) const NO_ID: u32 = u32::MAX;
 
 /// Code of a character that occurs in no piece.
 pub(crate) const NO_CODE: u32 = 0;
@@ -38,6 +58,9 @@ const fn filter_bit(c: u32) -> u32 {
 /// Bit of [`Node::base`] set when the node ends a piece.
 const TERMINAL: u32 = 1 << 31;
 
+/// Largest id the packed form holds (in the top 24 bits of [`Node::tag`]).
+const MAX_PACKED_ID: u32 = (1 << 24) - 1;
+
 /// One trie node: 16 bytes, four to a cache line.
 #[derive(Debug, Clone, Copy)]
 #[repr(C, align(16))]
@@ -51,8 +74,13 @@ pub(crate) struct Node {
     /// Low 31 bits: offset of this node's children (the child for code `c` is at
     /// `base + c`); bit 31 ([`TERMINAL`]): this node ends a piece.
     pub(crate) base: u32,
-    /// Score of the piece ending here (0 when not terminal).
-    pub(crate) score: f64,
+    /// Score of the piece ending here rounded to `f32` (0 when not terminal; unused in
+    /// the [`Scores::Side`] form).
+    pub(crate) score: f32,
+    /// Packed form: bits 8–31 the id of the piece ending here, bits 0–7 (as `i8`) the
+    /// distance `k` from `score as f64` to the exact score in `f64` bit patterns.
+    /// [`Scores::Side`] form: the whole id. 0 when not terminal.
+    pub(crate) tag: u32,
 }
 
 impl Node {
@@ -61,13 +89,68 @@ impl Node {
     pub(crate) fn is_terminal(&self) -> bool {
         self.base & TERMINAL != 0
     }
+
+    /// The exact score of the piece ending here, in the packed form.
+    #[inline(always)]
+    fn packed_score(&self) -> f64 {
+        let k = self.tag as u8 as i8 as i64;
+        f64::from_bits((self.score as f64).to_bits().wrapping_add(k as u64))
+    }
+}
+
+/// `(score, tag)` of the packed form for `(id, exact)`, when it reproduces both exactly.
+fn pack(id: u32, exact: f64) -> Option<(f32, u32)> {
+    let hi = exact as f32;
+    let k = (exact.to_bits() as i64).wrapping_sub((hi as f64).to_bits() as i64);
+    let k = i8::try_from(k).ok()?;
+    let tag = (id << 8) | k as u8 as u32;
+    let node = Node {
+        check: FREE,
+        base: TERMINAL,
+        score: hi,
+        tag,
+    };
+    (id <= MAX_PACKED_ID && node.packed_score().to_bits() == exact.to_bits()).then_some((hi, tag))
 }
 
 const EMPTY: Node = Node {
     check: FREE,
     base: 0,
     score: 0.0,
+    tag: 0,
 };
+
+/// How a trie's terminal nodes hold their score and id; `encode_piece` picks its loop by
+/// this once per piece.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Scores<'a> {
+    /// Score and id packed in the node (every score of the vocabulary fits).
+    Packed,
+    /// `tag` is the id; exact scores by id in this slice (construction sizes it past
+    /// every id).
+    Side(&'a [f64]),
+}
+
+impl Scores<'_> {
+    /// Exact score of the piece ending at terminal node `t`.
+    #[inline(always)]
+    pub(crate) fn score(self, t: &Node) -> f64 {
+        match self {
+            Scores::Packed => t.packed_score(),
+            // Bounds-checked: this form is the rare one, and its speed matters less.
+            Scores::Side(side) => side[t.tag as usize],
+        }
+    }
+
+    /// Id of the piece ending at terminal node `t`.
+    #[inline(always)]
+    pub(crate) fn id(self, t: &Node) -> u32 {
+        match self {
+            Scores::Packed => t.tag >> 8,
+            Scores::Side(_) => t.tag,
+        }
+    }
+}
 
 /// Character → code map: a two-level table over code points (256 per block, blocks
 /// with no coded character share the all-[`NO_CODE`] block 0).
@@ -114,8 +197,9 @@ pub(crate) struct Trie {
     /// Nodes; index 0 is the root. Invariant: for every node `n` and every code
     /// `c <= alphabet`, `(n.base & !TERMINAL) as usize + c < nodes.len()`.
     nodes: PageBuf<Node>,
-    /// Piece id by node index ([`NO_ID`] for nodes that end no piece).
-    ids: Vec<u32>,
+    /// Exact scores by id when the vocabulary does not fit the packed form (see
+    /// [`Scores`]); `None` in the packed form.
+    side: Option<Box<[f64]>>,
     /// Character codes (`1..=alphabet`).
     codes: CharCodes,
 }
@@ -149,9 +233,11 @@ impl Trie {
                 _ => keys.push(p),
             }
         }
+        // The packed form only if every piece fits it; else the whole id in `tag` and the
+        // exact scores in a side array by id.
+        let packed = keys.iter().all(|k| pack(k.1, k.2).is_some());
         // Padded from the start, so the root's `base + c` is in bounds even with no keys.
         let mut nodes: Vec<Node> = vec![EMPTY; pad];
-        let mut ids: Vec<u32> = vec![NO_ID; pad];
         // `free.find(i)`: the lowest free slot >= i (slot 0, the root, is taken).
         let mut free = FreeSlots::default();
         free.take(0);
@@ -160,8 +246,14 @@ impl Trie {
         let mut labels: Vec<(u32, usize, usize)> = Vec::new();
         while let Some((node, depth, mut lo, hi)) = stack.pop() {
             if lo < hi && keys[lo].0.len() == depth {
-                ids[node] = keys[lo].1;
-                nodes[node].score = keys[lo].2;
+                let (id, score) = (keys[lo].1, keys[lo].2);
+                let (hi, tag) = if packed {
+                    pack(id, score).expect("every piece was checked to pack")
+                } else {
+                    (score as f32, id)
+                };
+                nodes[node].score = hi;
+                nodes[node].tag = tag;
                 nodes[node].base |= TERMINAL;
                 lo += 1;
             }
@@ -198,7 +290,6 @@ impl Trie {
             );
             if nodes.len() < base + pad {
                 nodes.resize(base + pad, EMPTY);
-                ids.resize(base + pad, NO_ID);
             }
             nodes[node].base |= base as u32;
             for &(c, _, _) in &labels {
@@ -211,11 +302,28 @@ impl Trie {
                 stack.push((base + c as usize, depth + 1, l, h));
             }
         }
-        Self {
+        let side = (!packed).then(|| {
+            let len = keys.iter().map(|k| k.1 as usize + 1).max().unwrap_or(0);
+            let mut side = vec![0.0; len];
+            for k in &keys {
+                side[k.1 as usize] = k.2;
+            }
+            side.into_boxed_slice()
+        });
+        let trie = Self {
             nodes: PageBuf::from_slice(&nodes),
-            ids,
+            side,
             codes,
+        };
+        #[cfg(debug_assertions)]
+        for k in &keys {
+            debug_assert_eq!(
+                trie.get_coded(k.0.iter().copied())
+                    .map(|(i, s)| (i, s.to_bits())),
+                Some((k.1, k.2.to_bits()))
+            );
         }
+        trie
     }
 
     /// Number of node slots (used or not).
@@ -240,23 +348,33 @@ impl Trie {
         self.codes.code(cp)
     }
 
-    /// Id of the piece ending at node `n` ([`NO_ID`] if none); `n` must be a node index.
+    /// How terminal nodes hold their score and id.
     #[inline]
-    pub(crate) fn id(&self, n: u32) -> u32 {
-        self.ids[n as usize]
+    pub(crate) fn scores(&self) -> Scores<'_> {
+        match &self.side {
+            None => Scores::Packed,
+            Some(side) => Scores::Side(side),
+        }
     }
 
     /// Id and score of exactly `key`, if it is a piece.
     pub(crate) fn get(&self, key: &str) -> Option<(u32, f64)> {
+        self.get_coded(key.chars().map(|c| self.code(c as u32)))
+    }
+
+    /// Id and score of the piece whose characters have the codes `key`, if any.
+    fn get_coded(&self, key: impl IntoIterator<Item = u32>) -> Option<(u32, f64)> {
         let nodes = self.nodes();
         let mut n = 0usize;
-        for c in key.chars() {
-            // SAFETY: `n` is the root or an index returned by `step`; the code comes
+        for code in key {
+            // SAFETY: `n` is the root or an index returned by `step`; every code comes
             // from this trie's map.
-            n = unsafe { step(nodes, n, self.code(c as u32)) }?;
+            n = unsafe { step(nodes, n, code) }?;
         }
         let node = &nodes[n];
-        node.is_terminal().then_some((self.ids[n], node.score))
+        let scores = self.scores();
+        node.is_terminal()
+            .then(|| (scores.id(node), scores.score(node)))
     }
 }
 
@@ -435,5 +553,103 @@ mod tests {
         for n in nodes {
             assert!((n.base & !TERMINAL) as usize + 3 < nodes.len());
         }
+    }
+
+    /// Builds a trie and checks that every piece (the last of duplicates) comes back
+    /// with its id and its score bit for bit; returns the trie.
+    fn exact(pieces: &[(&str, u32, f64)]) -> Trie {
+        let trie = Trie::build(pieces);
+        let mut want: HashMap<&str, (u32, u64)> = HashMap::new();
+        for &(p, id, score) in pieces {
+            want.insert(p, (id, score.to_bits()));
+        }
+        for (p, w) in want {
+            let got = trie.get(p).map(|(id, s)| (id, s.to_bits()));
+            assert_eq!(got, Some(w), "{p:?}");
+        }
+        trie
+    }
+
+    #[test]
+    fn packing_keeps_scores_within_an_i8_of_their_f32_exact() {
+        let near = |x: f32, k: i64| f64::from_bits(((x as f64).to_bits() as i64 + k) as u64);
+        assert_eq!(pack(7, -2.5), Some((-2.5, 7 << 8)));
+        assert_eq!(pack(MAX_PACKED_ID, 0.0), Some((0.0, MAX_PACKED_ID << 8)));
+        assert_eq!(pack(MAX_PACKED_ID + 1, 0.0), None);
+        for k in [-128, -3, -1, 1, 2, 127] {
+            for x in [-9.123_457_f32, -1.0, 0.75, -1e-30] {
+                let (hi, tag) = pack(5, near(x, k)).unwrap();
+                assert_eq!((hi, tag >> 8, tag as u8 as i8), (x, 5, k as i8));
+            }
+        }
+        // Too far from any f32, beyond f32 range, below f32 precision.
+        for s in [near(-1.0, 128), near(-1.0, -129), 0.1, -1e300, 1e-320] {
+            assert_eq!(pack(5, s), None, "{s:e}");
+        }
+    }
+
+    #[test]
+    fn scores_near_f32s_are_packed_in_the_node() {
+        let near = |x: f32, k: i64| f64::from_bits(((x as f64).to_bits() as i64 + k) as u64);
+        let pieces: Vec<(&str, u32, f64)> = vec![
+            ("a", 0, near(-3.25, 3)),
+            ("ab", 1, near(-10.1, -2)),
+            ("b", 2, near(0.5, 127)),
+            ("ba", 3, -0.0),
+            ("ab", 4, near(-10.1, -128)),
+        ];
+        let trie = exact(&pieces);
+        assert!(matches!(trie.scores(), Scores::Packed));
+    }
+
+    #[test]
+    fn scores_that_do_not_pack_use_the_side_form() {
+        for odd in [0.1, -1e300, near_one_ulp_off()] {
+            let pieces: Vec<(&str, u32, f64)> = vec![
+                ("a", 0, -3.25),
+                ("ab", 1, odd),
+                ("b", 2, -1.5),
+                ("a", 3, -2.0),
+            ];
+            let trie = exact(&pieces);
+            assert!(matches!(trie.scores(), Scores::Side(s) if s.len() == 4));
+        }
+    }
+
+    /// A score 129 `f64` steps above an `f32`: one more than `k` holds.
+    fn near_one_ulp_off() -> f64 {
+        f64::from_bits((-4.0f32 as f64).to_bits() - 129)
+    }
+
+    /// The real XLM-R vocabulary (read as HF reads it: serde_json's default float
+    /// parser), whose scores are `f32`s printed with 16 digits: every one must pack.
+    #[test]
+    fn xlmr_vocabulary_packs_exactly() {
+        let root = std::env::var_os("TRELLIS_MODELS_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| {
+                std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME is set"))
+                    .join(".cache/trellis/models")
+            });
+        let path = root.join("xlmr-tokenizer/tokenizer.json");
+        let json = std::fs::read_to_string(&path)
+            .unwrap_or_else(|e| panic!("{}: {e} (run `make models`)", path.display()));
+        let root: serde_json::Value = serde_json::from_str(&json).unwrap();
+        let vocab: Vec<(String, f64)> = root["model"]["vocab"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| (e[0].as_str().unwrap().to_owned(), e[1].as_f64().unwrap()))
+            .collect();
+        assert_eq!(vocab.len(), 250_002);
+        let not_f32 = vocab.iter().filter(|v| v.1 as f32 as f64 != v.1).count();
+        assert!(not_f32 > 60_000, "{not_f32} scores are not f32s");
+        let pieces: Vec<(&str, u32, f64)> = vocab
+            .iter()
+            .enumerate()
+            .map(|(i, (p, s))| (p.as_str(), i as u32, *s))
+            .collect();
+        let trie = exact(&pieces);
+        assert!(matches!(trie.scores(), Scores::Packed));
     }
 }

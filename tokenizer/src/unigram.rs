@@ -2,15 +2,15 @@
 //!
 //! The lattice is one cell per character position (pieces start and end on character
 //! boundaries, and the trie consumes one character per step); `cells[j]` holds the best
-//! path ending before character `j` (its score, the start of its last piece and the trie
-//! node that ends it). Positions are visited in ascending order, trie matches from each
+//! path ending before character `j` (its score, the start of its last piece and that
+//! piece's id, read from the trie node the walk has just loaded, so backtracking reads no
+//! trie memory). Positions are visited in ascending order, trie matches from each
 //! position in ascending length, and a candidate replaces a cell only when strictly
 //! better (`>`), with scores summed in `f64`, which is exactly HF `tokenizers`'
-//! `encode_optimized`. A character with no
-//! one-character piece gets an unknown node scored `min_score - 10`; consecutive unknown
-//! nodes are fused into one token.
+//! `encode_optimized`. A character with no one-character piece gets an unknown node
+//! scored `min_score - 10`; consecutive unknown nodes are fused into one token.
 
-use crate::trie::{step, Trie, NO_CODE};
+use crate::trie::{step, Scores, Trie, NO_CODE};
 
 /// Score penalty HF and SentencePiece give an unknown character below the lowest score.
 const UNK_PENALTY: f64 = 10.0;
@@ -25,9 +25,6 @@ pub struct Unigram {
     unk_score: f64,
 }
 
-/// `Cell::node` of an unknown node (never a trie index: those are `< 2^31`).
-const UNK_NODE: u32 = u32::MAX;
-
 /// One lattice cell: the best path ending at this character position.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Cell {
@@ -35,10 +32,8 @@ pub(crate) struct Cell {
     /// Start (character index) of the last piece, or `u32::MAX` when no path reaches
     /// here yet.
     start: u32,
-    /// Trie node that ends the last piece (its id is looked up only when backtracking,
-    /// so the id array is read once per output token, not once per match), or
-    /// [`UNK_NODE`].
-    node: u32,
+    /// Id of the last piece (the unknown id for an unknown node).
+    id: u32,
 }
 
 /// Per-call working memory of the Viterbi pass, reused across calls.
@@ -122,8 +117,52 @@ impl Unigram {
             chars.push((p as u32, self.trie.code(decode(&piece[p..p + len]))));
             p += len;
         }
-        let m = chars.len();
         chars.push((n as u32, NO_CODE));
+        match self.trie.scores() {
+            Scores::Packed => self.lattice(scratch, Scores::Packed),
+            side => self.lattice(scratch, side),
+        }
+        // Backtrack, last piece first, in byte positions.
+        let path = &mut scratch.path;
+        path.clear();
+        let (cells, chars) = (&scratch.cells, &scratch.chars);
+        let mut end = chars.len() - 1;
+        while end > 0 {
+            let c = cells[end];
+            path.push((chars[c.start as usize].0, chars[end].0, c.id));
+            end = c.start as usize;
+        }
+        // Emit in order, fusing runs of unknown nodes; a fused run takes the id HF's
+        // piece→id map gives its text (usually unknown).
+        let mut k = path.len();
+        while k > 0 {
+            k -= 1;
+            let (start, mut stop, id) = path[k];
+            let mut id = id;
+            if id == self.unk_id {
+                while k > 0 && path[k - 1].2 == self.unk_id {
+                    k -= 1;
+                    stop = path[k].1;
+                }
+                id = std::str::from_utf8(&piece[start as usize..stop as usize])
+                    .ok()
+                    .and_then(|s| self.trie.get(s))
+                    .map_or(self.unk_id, |(i, _)| i);
+            }
+            ids.push(id);
+            if let Some(o) = offsets.as_deref_mut() {
+                o.push((start, stop));
+            }
+        }
+    }
+
+    /// Fills `scratch.cells` from `scratch.chars` (the characters' codes and an end
+    /// sentinel): the Viterbi forward pass. Called with the trie's [`Scores`] form and
+    /// inlined once per form, so that the packed form's loop has no test of the form.
+    #[inline(always)]
+    fn lattice(&self, scratch: &mut ViterbiScratch, scores: Scores<'_>) {
+        let chars = &scratch.chars;
+        let m = chars.len() - 1;
         let nodes = self.trie.nodes();
         let cells = &mut scratch.cells;
         cells.clear();
@@ -132,7 +171,7 @@ impl Unigram {
             Cell {
                 score: 0.0,
                 start: u32::MAX,
-                node: UNK_NODE,
+                id: self.unk_id,
             },
         );
         cells[0].start = 0;
@@ -159,14 +198,14 @@ impl Unigram {
                 // SAFETY: `step` returns in-bounds indices.
                 let t = unsafe { nodes.get_unchecked(node) };
                 if t.is_terminal() {
-                    let cand = here + t.score;
+                    let cand = here + scores.score(t);
                     // SAFETY: `j <= m` and `cells.len() == m + 1`.
                     let c = unsafe { cells.get_unchecked_mut(j) };
                     if c.start == u32::MAX || cand > c.score {
                         *c = Cell {
                             score: cand,
                             start: pos as u32,
-                            node: node as u32,
+                            id: scores.id(t),
                         };
                     }
                     has_single |= j == pos + 1;
@@ -179,45 +218,9 @@ impl Unigram {
                     *c = Cell {
                         score: cand,
                         start: pos as u32,
-                        node: UNK_NODE,
+                        id: self.unk_id,
                     };
                 }
-            }
-        }
-        // Backtrack, last piece first, in byte positions.
-        let path = &mut scratch.path;
-        path.clear();
-        let mut end = m;
-        while end > 0 {
-            let c = cells[end];
-            let id = if c.node == UNK_NODE {
-                self.unk_id
-            } else {
-                self.trie.id(c.node)
-            };
-            path.push((chars[c.start as usize].0, chars[end].0, id));
-            end = c.start as usize;
-        }
-        // Emit in order, fusing runs of unknown nodes; a fused run takes the id HF's
-        // piece→id map gives its text (usually unknown).
-        let mut k = path.len();
-        while k > 0 {
-            k -= 1;
-            let (start, mut stop, id) = path[k];
-            let mut id = id;
-            if id == self.unk_id {
-                while k > 0 && path[k - 1].2 == self.unk_id {
-                    k -= 1;
-                    stop = path[k].1;
-                }
-                id = std::str::from_utf8(&piece[start as usize..stop as usize])
-                    .ok()
-                    .and_then(|s| self.trie.get(s))
-                    .map_or(self.unk_id, |(i, _)| i);
-            }
-            ids.push(id);
-            if let Some(o) = offsets.as_deref_mut() {
-                o.push((start, stop));
             }
         }
     }

@@ -109,9 +109,35 @@ const ALPHABET: &[&str] = &[
 fn vocab_strategy() -> impl Strategy<Value = Vec<(String, f64)>> {
     let piece = proptest::collection::vec(proptest::sample::select(ALPHABET), 1..4)
         .prop_map(|v| v.concat());
-    // Integer-valued scores make ties common; duplicates are kept on purpose.
-    let entry = (piece, -8i32..=0).prop_map(|(p, s)| (p, s as f64));
-    proptest::collection::vec(entry, 1..40).prop_map(|mut v| {
+    // Integer-valued scores (times a few factors) make ties common; duplicates are kept on
+    // purpose. Per vocabulary, scores stay `f32` values, or each moves by a few `f64`
+    // steps (as a 16-digit print of an `f32` read back does; the trie packs these next to
+    // the `f32`), or one moves far from any `f32` (the trie cannot pack that, so it keeps
+    // exact scores in a side array): both node forms meet the reference.
+    let entry = (
+        piece,
+        -8i32..=0,
+        proptest::sample::select(vec![1.0f32, 0.3, 1.7]),
+        -128i64..=127,
+    );
+    let nudged = |s: f64, k: i64| {
+        if s == 0.0 {
+            s
+        } else {
+            f64::from_bits((s.to_bits() as i64 + k) as u64)
+        }
+    };
+    (proptest::collection::vec(entry, 1..40), 0..3u8).prop_map(move |(entries, form)| {
+        let mut v: Vec<(String, f64)> = entries
+            .into_iter()
+            .map(|(p, s, scale, k)| {
+                let score = (s as f32 * scale) as f64;
+                (p, if form == 0 { score } else { nudged(score, k) })
+            })
+            .collect();
+        if form == 2 {
+            v[0].1 = nudged(v[0].1, 1 << 40);
+        }
         v.insert(0, ("<unk>".to_owned(), 0.0));
         v
     })
