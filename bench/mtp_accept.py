@@ -108,7 +108,9 @@ def main(argv: list[str]) -> int:
                 f"{time.perf_counter() - t0:.0f} s",
                 flush=True,
             )
-            rows.append((d.name, k, mean, pos, st["steps"], note))
+            layers = head.config.feature_layers
+            feats = "layers " + ", ".join(map(str, layers)) if layers else "final-norm"
+            rows.append((d.name, feats, k, mean, pos, st["steps"], note))
     lines = [
         "# MTP head acceptance on held-out chat prompts",
         "",
@@ -116,10 +118,11 @@ def main(argv: list[str]) -> int:
         f"SmolLM2-135M-Instruct, the {len(prompts)} chat prompts of bench/spec.py, greedy, "
         f"max_tokens={max_tokens}, batch 1, chained drafting of k tokens per step.",
         "",
-        "| head | k | mean accepted / step | per-position acceptance | steps | training |",
-        "|---|---|---|---|---|---|",
+        "| head | features | k | mean accepted / step | per-position acceptance | steps "
+        "| training |",
+        "|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {n} | {k} | {m:.3f} | {p} | {s} | {t} |" for n, k, m, p, s, t in rows]
+    lines += [f"| {n} | {f} | {k} | {m:.3f} | {p} | {s} | {t} |" for n, f, k, m, p, s, t in rows]
     lines += [
         "",
         f"python {platform.python_version()}, torch {torch.__version__}, "

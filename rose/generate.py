@@ -31,7 +31,7 @@ from rose.sampling import FinishReason, SamplingParams, StopChecker, token_probs
 from rose.spec.acceptance import accept_deterministic, accept_drafts, accept_greedy
 from rose.spec.config import SpecConfig
 from rose.spec.draft_model import DraftRequest, ModelDrafter
-from rose.spec.mtp import MTPDrafter, MTPDraftRequest, MTPHead
+from rose.spec.mtp import MTPDrafter, MTPDraftRequest, MTPHead, draft_dtype
 from rose.spec.ngram import NgramDrafter
 from rose.spec.stats import SpecStats
 
@@ -143,7 +143,8 @@ class GenerationEngine:
         self.ngram: NgramDrafter | None = None
         self.mtp: MTPDrafter | None = None
         if config.spec.method == "mtp" and mtp_head is not None:
-            self.mtp = MTPDrafter(mtp_head, model, self.allocator, self.page_size)
+            dtype = draft_dtype(config.spec.draft_dtype, mtp_head)
+            self.mtp = MTPDrafter(mtp_head, model, self.allocator, self.page_size, dtype)
         elif config.spec.method == "draft" and drafter is not None:
             self.drafter = ModelDrafter(drafter, self.allocator, self.page_size, self.vocab_size)
         elif config.spec.method == "ngram":
@@ -251,7 +252,7 @@ class GenerationEngine:
             meta,
             self.cache,
             torch.tensor(idx, device=self.device),
-            return_all_hidden=self.mtp is not None,
+            return_all_hidden=self.mtp.head.config.target_request if self.mtp else False,
         )
         logits = fwd.logits[:n_rows]
         # temperature 0: the target's argmax at every verified position, one sync for all

@@ -7,15 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_llama import VOCAB, random_prompts, tiny_target
 
 from rose.generate import GenerationConfig, GenerationEngine
 from rose.kv.allocator import PageAllocator
 from rose.kv.block_table import BlockTable
 from rose.kv.metadata import AttentionMetadata
-from rose.models.llama import LlamaConfig, LlamaForCausalLM
+from rose.models.llama import LlamaForCausalLM
 from rose.sampling import SamplingParams
 from rose.spec import SpecConfig
 from rose.spec.mtp import MTPHead, MTPHeadConfig
+from rose.spec.mtp import draft_dtype as resolve_draft_dtype
 from rose.spec.train_mtp import (
     TrainConfig,
     UnrolledHead,
@@ -27,52 +29,45 @@ from rose.spec.train_mtp import (
     train_head,
 )
 
-VOCAB = 128
 GREEDY = SamplingParams(max_tokens=24)
 
 
 @pytest.fixture(scope="module")
 def target() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    return LlamaForCausalLM(cfg).eval()
-
-
-def _prompts(seed: int, n: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (6 + i % 11,), generator=g).tolist() for i in range(n)]
+    return tiny_target()
 
 
 @pytest.fixture(scope="module")
 def trained(target: LlamaForCausalLM) -> tuple[MTPHead, list[float]]:
-    seqs = answer_prompts(target, _prompts(10, 96), answer_tokens=32)
+    seqs = answer_prompts(target, random_prompts(10, 96), answer_tokens=32)
     feats = target_features(target, seqs)
     assert all(f.shape == (len(s), 64) for f, s in zip(feats, seqs, strict=True))
     return train_head(target, seqs, feats, TrainConfig(epochs=12, lr=3e-3, batch_tokens=512))
 
 
-def _run(target: LlamaForCausalLM, head: MTPHead, prompts: list[list[int]], k: int = 3):
-    cfg = GenerationConfig(max_batch=16, spec=SpecConfig(method="mtp", num_draft_tokens=k))
+def _run(
+    target: LlamaForCausalLM,
+    head: MTPHead,
+    prompts: list[list[int]],
+    k: int = 3,
+    draft_dtype: str = "auto",
+):
+    spec = SpecConfig(method="mtp", num_draft_tokens=k, draft_dtype=draft_dtype)
+    cfg = GenerationConfig(max_batch=16, spec=spec)
     eng = GenerationEngine(target, cfg, mtp_head=head)
     return [r.output_ids for r in eng.generate(prompts, GREEDY)], eng
 
 
+@pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
 def test_trained_head_is_accepted_and_lossless(
-    target: LlamaForCausalLM, trained: tuple[MTPHead, list[float]]
+    target: LlamaForCausalLM, trained: tuple[MTPHead, list[float]], draft_dtype: str
 ) -> None:
     head, history = trained
     assert history[-1] < 0.5 * history[0], history
-    prompts = _prompts(20, 32)  # unseen prompts
+    prompts = random_prompts(20, 32)  # unseen prompts
     base = [r.output_ids for r in GenerationEngine(target).generate(prompts, GREEDY)]
-    got, eng = _run(target, head, prompts)
+    got, eng = _run(target, head, prompts, draft_dtype=draft_dtype)
+    assert eng.mtp is not None and eng.mtp.head.fuse.weight.dtype == getattr(torch, draft_dtype)
     assert got == base
     untrained, eng0 = _run(target, MTPHead(MTPHeadConfig.for_target(target.config)).eval(), prompts)
     assert untrained == base
@@ -81,6 +76,17 @@ def test_trained_head_is_accepted_and_lossless(
     assert st.acceptance_rate > 3 * eng0.stats.acceptance_rate
     assert st.acceptance_per_position[0] >= st.acceptance_per_position[-1]
     assert eng.allocator.num_free == eng.config.kv.num_pages
+
+
+def test_draft_dtype_setting(target: LlamaForCausalLM) -> None:
+    head = MTPHead(MTPHeadConfig.for_target(target.config)).eval()
+    assert resolve_draft_dtype("float32", head) == torch.float32
+    assert resolve_draft_dtype("bfloat16", head) == torch.bfloat16
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    fast = probe is not None and bool(probe())
+    assert resolve_draft_dtype("auto", head) == (torch.bfloat16 if fast else torch.float32)
+    with pytest.raises(ValueError, match="spec.draft_dtype"):
+        SpecConfig(method="mtp", draft_dtype="fp8")
 
 
 def test_head_save_load_roundtrip(trained: tuple[MTPHead, list[float]], tmp_path: Path) -> None:
@@ -109,7 +115,7 @@ def test_head_with_a_draft_vocabulary_and_unrolled_training(
     """A head that drafts only among the answers' 48 most frequent tokens (of 128), trained
     with the second and third chained drafts unrolled: still lossless, still accepted, and it never
     drafts outside its vocabulary; save/load keeps the vocabulary."""
-    prompts = _prompts(30, 96)
+    prompts = random_prompts(30, 96)
     seqs = answer_prompts(target, prompts, answer_tokens=32)
     vocab = draft_vocabulary(seqs, [len(p) for p in prompts], 48)
     assert len(vocab) == 48 and vocab == sorted(vocab)
@@ -122,7 +128,7 @@ def test_head_with_a_draft_vocabulary_and_unrolled_training(
     head = MTPHead.load(tmp_path / "h")
     assert head.draft_vocab.tolist() == vocab
 
-    test_prompts = _prompts(40, 24)
+    test_prompts = random_prompts(40, 24)
     base = [r.output_ids for r in GenerationEngine(target).generate(test_prompts, GREEDY)]
     got, eng = _run(target, head, test_prompts)
     assert got == base
@@ -146,7 +152,7 @@ def test_answers_with_features_equal_answering_then_a_feature_pass(
 ) -> None:
     """Features captured while answering (batches of 7, a ragged last batch) are the
     target's own answers and final hidden states, as a separate full pass computes them."""
-    prompts = _prompts(50, 20)
+    prompts = random_prompts(50, 20)
     seqs, feats = answer_with_features(target, prompts, answer_tokens=24, batch=7)
     assert seqs == answer_prompts(target, prompts, answer_tokens=24)
     ref = target_features(target, seqs)
@@ -234,12 +240,12 @@ def test_head_trained_on_the_targets_distribution_is_accepted(
 ) -> None:
     """All of the token loss on the target's own distribution (soft labels): the head still
     learns what the target says on unseen prompts, and output stays the target's."""
-    prompts = _prompts(60, 96)
+    prompts = random_prompts(60, 96)
     seqs = answer_prompts(target, prompts, answer_tokens=32)
     feats = target_features(target, seqs)
     cfg = TrainConfig(epochs=12, lr=3e-3, batch_tokens=512, distill=1.0)
     head, _ = train_head(target, seqs, feats, cfg)
-    test_prompts = _prompts(70, 24)
+    test_prompts = random_prompts(70, 24)
     base = [r.output_ids for r in GenerationEngine(target).generate(test_prompts, GREEDY)]
     got, eng = _run(target, head, test_prompts)
     assert got == base

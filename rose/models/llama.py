@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -289,11 +289,26 @@ class Block(nn.Module):
 @dataclass(frozen=True)
 class DecoderOutput:
     """logits ``[N, V]`` and final-norm hidden states ``[N, H]`` at the selected tokens;
-    all_hidden ``[T, H]``: final-norm hidden states of every new token when requested."""
+    all_hidden, when requested: every new token's final-norm hidden state ``[T, H]``, or the
+    outputs of the requested decoder layers side by side ``[T, len(layers) * H]``."""
 
     logits: torch.Tensor
     hidden: torch.Tensor
     all_hidden: torch.Tensor | None = None
+
+
+def _feature_layers(request: bool | Sequence[int], num_layers: int) -> frozenset[int]:
+    """The layer indices a ``return_all_hidden`` request names (empty for a bool)."""
+    if isinstance(request, bool):
+        return frozenset()
+    layers = [int(i) for i in request]
+    if not layers:
+        raise ValueError("return_all_hidden: an empty layer list; pass True or False")
+    if any(b <= a for a, b in zip(layers, layers[1:], strict=False)):
+        raise ValueError(f"return_all_hidden layers must be ascending, got {layers}")
+    if layers[0] < 0 or layers[-1] >= num_layers:
+        raise ValueError(f"return_all_hidden layers must be in [0, {num_layers}), got {layers}")
+    return frozenset(layers)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -334,15 +349,29 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         cache: PagedKVCache,
         logits_index: torch.Tensor | None = None,
-        return_all_hidden: bool = False,
+        return_all_hidden: bool | Sequence[int] = False,
     ) -> DecoderOutput:
         """input_ids ``[T]`` (all sequences' new tokens, concatenated) → logits at
-        ``logits_index`` (``[N]`` indices into ``[T]``; all tokens when None)."""
+        ``logits_index`` (``[N]`` indices into ``[T]``; all tokens when None).
+
+        return_all_hidden: True keeps every new token's final-norm hidden state as
+        ``all_hidden``; a non-empty sequence of layer indices (0-based, ascending, each
+        below ``num_hidden_layers``) keeps those decoder layers' outputs instead, in that
+        order, side by side (``[T, len * H]``; the residual stream, before any norm)."""
+        layers = _feature_layers(return_all_hidden, len(self.layers))
         cos, sin = self._rope(meta.positions)
         x = self.tok_embeddings(input_ids)  # [T, H]
-        for block in self.layers:
+        kept: list[torch.Tensor] = []
+        for i, block in enumerate(self.layers):
             x = block(x, cos, sin, meta, cache)
-        if return_all_hidden:
+            if i in layers:
+                kept.append(x)
+        if kept:
+            sel = x if logits_index is None else x[logits_index]  # [N, H]
+            hidden = self.norm(sel)
+            all_hidden = kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)  # [T, L*H]
+            return DecoderOutput(self.output(hidden), hidden, all_hidden)
+        if return_all_hidden is True:
             all_hidden = self.norm(x)  # [T, H]
             hidden = all_hidden if logits_index is None else all_hidden[logits_index]
             return DecoderOutput(self.output(hidden), hidden, all_hidden)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 __all__ = ["SpecConfig"]
 
 _METHODS = ("none", "ngram", "draft", "mtp")
+_DRAFT_DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,11 @@ class SpecConfig:
     ngram_max / ngram_min: longest / shortest suffix n-gram looked up (prompt lookup).
     adaptive_k: per sequence, draft 2 more tokens (up to num_draft_tokens) after a step
     that kept every draft and 1 fewer (down to 1) after a rejection.
+    draft_dtype: precision the MTP head drafts in. Drafts only need to be good guesses
+    (the target verifies in its own precision and the proposal distribution is whatever the
+    head computed), so "auto" runs the head in bfloat16 where the hardware has fast bf16
+    matrix products (CUDA, or oneDNN's AVX512-BF16/AMX path on the CPU), which halves the
+    weight bytes each draft step reads, and in the head's own dtype elsewhere.
     """
 
     method: str = "none"
@@ -24,12 +30,17 @@ class SpecConfig:
     ngram_max: int = 3
     ngram_min: int = 1
     adaptive_k: bool = False
+    draft_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in _METHODS:
             raise ValueError(f"spec.method must be one of {_METHODS}, got {self.method!r}")
         if self.num_draft_tokens < 1:
             raise ValueError(f"spec.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.draft_dtype not in _DRAFT_DTYPES:
+            raise ValueError(
+                f"spec.draft_dtype must be one of {_DRAFT_DTYPES}, got {self.draft_dtype!r}"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
                 f"spec.ngram_min/ngram_max must satisfy 1 <= min <= max, "

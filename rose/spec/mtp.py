@@ -37,7 +37,7 @@ from rose.models.llama import (
 from rose.packed import can_pack, pack_linears
 from rose.sampling import SamplingParams, sample, token_probs
 
-__all__ = ["MTPDraftRequest", "MTPDrafter", "MTPHead", "MTPHeadConfig"]
+__all__ = ["MTPDraftRequest", "MTPDrafter", "MTPHead", "MTPHeadConfig", "draft_dtype"]
 
 _FORMAT = "trellis-mtp-head/1"
 
@@ -50,6 +50,12 @@ class MTPHeadConfig:
     head's ``draft_vocab`` buffer, the target's most frequent output tokens), so a draft
     step multiplies by a ``[draft_vocab_size, H]`` slice of the LM head instead of all of
     it; 0 drafts over the whole vocabulary. Verification by the target stays exact either way.
+
+    feature_layers: the target layers whose outputs feed the head (EAGLE-3 style: a low, a
+    middle and a high layer, side by side ``[T, len * H]``, each RMS-normalized, then
+    reduced to ``H`` by the head's ``reduce`` layer); empty: the target's final-norm hidden
+    state, as heads saved before this field. A single layer is not allowed: its width would
+    equal the head's own feature, which chained drafting feeds back in its place.
     """
 
     hidden_size: int
@@ -61,16 +67,46 @@ class MTPHeadConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     draft_vocab_size: int = 0
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        layers = self.feature_layers
+        if not isinstance(layers, tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in layers
+        ):
+            raise ValueError(
+                f"mtp head config.feature_layers must be a tuple of ints, got {layers!r}"
+            )
+        if len(layers) == 1:
+            raise ValueError(
+                f"mtp head config.feature_layers must name no layer or at least two, got {layers}"
+            )
+        if any(i < 0 for i in layers) or any(
+            b <= a for a, b in zip(layers, layers[1:], strict=False)
+        ):
+            raise ValueError(
+                f"mtp head config.feature_layers must be ascending layer indices >= 0, got {layers}"
+            )
         if not 0 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"mtp head config.draft_vocab_size must be in [0, vocab_size={self.vocab_size}], "
                 f"got {self.draft_vocab_size}"
             )
 
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the head takes: ``len(feature_layers) * H`` or H."""
+        return self.hidden_size * max(1, len(self.feature_layers))
+
+    @property
+    def target_request(self) -> bool | tuple[int, ...]:
+        """What the target's forward must be asked for (its ``return_all_hidden``)."""
+        return self.feature_layers or True
+
     @staticmethod
-    def for_target(cfg: LlamaConfig, draft_vocab_size: int = 0) -> MTPHeadConfig:
+    def for_target(
+        cfg: LlamaConfig, draft_vocab_size: int = 0, feature_layers: tuple[int, ...] = ()
+    ) -> MTPHeadConfig:
         return MTPHeadConfig(
             hidden_size=cfg.hidden_size,
             intermediate_size=cfg.intermediate_size,
@@ -81,6 +117,7 @@ class MTPHeadConfig:
             rms_norm_eps=cfg.rms_norm_eps,
             rope_theta=cfg.rope_theta,
             draft_vocab_size=draft_vocab_size,
+            feature_layers=tuple(feature_layers),
         )
 
     def check_target(self, cfg: LlamaConfig) -> None:
@@ -90,6 +127,11 @@ class MTPHeadConfig:
                     f"mtp head config.{key}={getattr(self, key)} does not match the "
                     f"target's {getattr(cfg, key)}"
                 )
+        if self.feature_layers and self.feature_layers[-1] >= cfg.num_hidden_layers:
+            raise ValueError(
+                f"mtp head config.feature_layers={self.feature_layers} names a layer the "
+                f"target's {cfg.num_hidden_layers} layers do not have"
+            )
 
     def block_config(self) -> LlamaConfig:
         return LlamaConfig(
@@ -109,6 +151,8 @@ class MTPHeadConfig:
         if d.get("format") != _FORMAT:
             raise ValueError(f"mtp head config.format must be {_FORMAT!r}, got {d.get('format')!r}")
         fields = {k: d[k] for k in MTPHeadConfig.__dataclass_fields__ if k in d}
+        if isinstance(fields.get("feature_layers"), list):  # JSON has no tuples
+            fields["feature_layers"] = tuple(fields["feature_layers"])
         return MTPHeadConfig(**fields)
 
 
@@ -120,6 +164,10 @@ class MTPHead(nn.Module):
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
         self.fuse = nn.Linear(2 * h, h, bias=False)
+        n_layers = len(cfg.feature_layers)
+        if n_layers:  # multi-layer target features: normalize each, then reduce to H
+            self.layer_norms = nn.ModuleList(RMSNorm(h, cfg.rms_norm_eps) for _ in range(n_layers))
+            self.reduce = nn.Linear(n_layers * h, h, bias=False)
         self.block = Block(cfg.block_config(), layer=0)
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         # target token id of each draft-vocabulary row (identity when drafting over all)
@@ -147,14 +195,30 @@ class MTPHead(nn.Module):
         meta: AttentionMetadata,
         cache: PagedKVCache,
     ) -> torch.Tensor:
-        """hidden ``[T, H]`` (target feature at t), token_emb ``[T, H]`` (embedding of
-        token t + 1) → feature ``[T, H]`` (normed; logits = target LM head of it)."""
+        """hidden (target features at t ``[T, feature_width]``, or the head's own output
+        feature ``[T, H]`` when chaining), token_emb ``[T, H]`` (embedding of token t + 1)
+        → feature ``[T, H]`` (normed; logits = target LM head of it)."""
         if self._inv_freq is None or self._inv_freq.device != hidden.device:
             self._inv_freq = rope_inv_freq(self.config.block_config()).to(hidden.device)
         cos, sin = rope_cos_sin(self._inv_freq, meta.positions, hidden.dtype)
-        x = torch.cat([self.embed_norm(token_emb), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
-        x = self.block(self.fuse(x), cos, sin, meta, cache)  # [T, H]
+        x = self.block(self.fuse_inputs(hidden, token_emb), cos, sin, meta, cache)  # [T, H]
         return self.norm(x)
+
+    def fuse_inputs(self, hidden: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
+        """The block's input ``[T, H]`` from a feature (target ``[T, feature_width]`` or own
+        ``[T, H]``) and the next token's embedding ``[T, H]``."""
+        h = self.config.hidden_size
+        if hidden.shape[-1] != h:
+            if hidden.shape[-1] != self.config.feature_width:
+                raise ValueError(
+                    f"mtp head features must be {self.config.feature_width} or {h} wide, "
+                    f"got {hidden.shape[-1]}"
+                )
+            parts = hidden.split(h, dim=-1)  # len(feature_layers) x [T, H]
+            normed = [n(p) for n, p in zip(self.layer_norms, parts, strict=True)]
+            hidden = self.reduce(torch.cat(normed, dim=-1))  # [T, H]
+        x = torch.cat([self.embed_norm(token_emb), self.hidden_norm(hidden)], dim=-1)  # [T, 2H]
+        return self.fuse(x)
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         path = Path(path)
@@ -183,8 +247,8 @@ class MTPHead(nn.Module):
 @dataclass
 class MTPDraftRequest:
     """table: the head's cache for this sequence (holds pairs ``0 .. table.length - 1``).
-    features: target hidden states ``[n, H]`` for pairs ``table.length ..`` up to the
-    sequence's last cached position; tokens: all tokens so far; k: drafts wanted."""
+    features: target features ``[n, config.feature_width]`` for pairs ``table.length ..``
+    up to the sequence's last cached position; tokens: all tokens so far; k: drafts wanted."""
 
     table: BlockTable
     features: torch.Tensor
@@ -194,12 +258,38 @@ class MTPDraftRequest:
     generator: torch.Generator | None
 
 
-def _for_inference(head: MTPHead) -> MTPHead:
-    """The head the drafter runs: on CPU a copy with oneDNN-packed linear layers
-    (`rose.packed`; the caller's head stays trainable), else the head itself."""
-    if not can_pack(head.fuse.weight.detach()):
+def draft_dtype(setting: str, head: MTPHead) -> torch.dtype:
+    """The dtype a `SpecConfig.draft_dtype` setting resolves to for ``head``."""
+    own = head.norm.weight.dtype
+    if setting == "float32":
+        return torch.float32
+    if setting == "bfloat16":
+        return torch.bfloat16
+    device = head.norm.weight.device
+    if device.type == "cuda":
+        fast_bf16 = torch.cuda.is_bf16_supported()
+    else:
+        probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        fast_bf16 = device.type == "cpu" and probe is not None and bool(probe())
+    return torch.bfloat16 if fast_bf16 and own in (torch.float32, torch.bfloat16) else own
+
+
+def _for_inference(head: MTPHead, dtype: torch.dtype) -> MTPHead:
+    """The head the drafter runs: a frozen copy whose linear layers hold ``dtype`` weights
+    (the caller's head stays trainable). On CPU the linear layers are oneDNN-packed
+    (`rose.packed`) and only they change dtype: a bf16 product under fp32 activations, norms,
+    cache and attention, because PyTorch's CPU attention is ~8x slower in bf16 than in fp32
+    for a one-token query. Elsewhere (CUDA) the whole copy moves to ``dtype``."""
+    own = head.norm.weight.dtype
+    if own == dtype and not can_pack(head.fuse.weight.detach()):
         return head
     copy = deepcopy(head).requires_grad_(False)
+    probe = copy.fuse.weight.detach().to(dtype)
+    if not can_pack(probe):
+        return copy.to(dtype)
+    for module in copy.modules():
+        if isinstance(module, nn.Linear):
+            module.to(dtype)
     pack_linears(copy, batch_hint=4, single_row=True)
     return copy
 
@@ -208,16 +298,22 @@ class MTPDrafter:
     """Drafts a chain of k tokens per sequence with an `MTPHead`, all sequences batched."""
 
     def __init__(
-        self, head: MTPHead, target: LlamaForCausalLM, allocator: PageAllocator, page_size: int
+        self,
+        head: MTPHead,
+        target: LlamaForCausalLM,
+        allocator: PageAllocator,
+        page_size: int,
+        dtype: torch.dtype | None = None,
     ) -> None:
         head.config.check_target(target.config)
-        self.head = _for_inference(head)
+        self.dtype = dtype or head.norm.weight.dtype  # of the linear layers' weights
+        self.head = _for_inference(head, self.dtype)
         self.target = target
         self.allocator = allocator
         self.page_size = page_size
         self.cache = self.head.new_cache(allocator.num_pages, page_size)
         # the LM head rows the head drafts among, sliced once ([N, H])
-        self.lm_weight = head.lm_weight(target.output.weight.detach())
+        self.lm_weight = head.lm_weight(target.output.weight.detach()).to(self.dtype)
 
     def new_table(self) -> BlockTable:
         return BlockTable(self.allocator, self.page_size)
@@ -259,7 +355,8 @@ class MTPDrafter:
             out = self.head(hid, emb(ids), meta, self.cache)
             if out.shape[0] != len(live):
                 out = out[meta.last_index]  # [B, H]
-            logits = out @ self.lm_weight.T  # [B, N] over the draft vocabulary
+            # [B, N] over the draft vocabulary (the product in the weights' dtype)
+            logits = (out.to(self.dtype) @ self.lm_weight.T).float()
             best = draft_vocab[logits.argmax(-1)].tolist()  # [B] target ids, one sync
             for row, i in enumerate(live):
                 r = requests[i]
