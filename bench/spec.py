@@ -145,8 +145,10 @@ METHODS: dict[str, dict[str, Any]] = {
     "draft 6L k=3": {"method": "draft", "num_draft_tokens": 3},
 }
 MTP_METHODS: dict[str, dict[str, Any]] = {
+    # drafts in bf16 where the CPU has fast bf16 products (SpecConfig.draft_dtype="auto")
     "mtp k=3": {"method": "mtp", "num_draft_tokens": 3},
-    "mtp k=4 adaptive": {"method": "mtp", "num_draft_tokens": 4, "adaptive_k": True},
+    "mtp k=3 fp32 drafts": {"method": "mtp", "num_draft_tokens": 3, "draft_dtype": "float32"},
+    "mtp k=2": {"method": "mtp", "num_draft_tokens": 2},
 }
 DRAFT_LAYERS = 6
 BARS = {("chat", "mtp"): 1.5, ("rag-quote", "ngram"): 1.8}
@@ -444,6 +446,9 @@ def _write(
         "- drafter for draft-target: the target's first "
         f"{DRAFT_LAYERS} of 30 layers + its norm and head (weights shared, no training)",
         f"- MTP/EAGLE head: {_head_note(head_dir)}",
+        "- MTP draft precision: the head's linear layers and LM-head rows in bf16 under fp32 "
+        "activations, cache and attention (`SpecConfig.draft_dtype='auto'` on a CPU with "
+        "AVX512-BF16), except the 'fp32 drafts' row; verification is always the fp32 target",
     ]
     png = _plot(runs, base)
     if png:

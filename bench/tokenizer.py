@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import statistics
@@ -89,14 +90,22 @@ def main(argv: list[str]) -> int:
 
 
 def _texts(hf: object, lines: list[str], size: int, count: int) -> list[str]:
-    """`count` distinct texts of about `size` tokens, glued from corpus lines."""
+    """`count` distinct texts of about `size` tokens, glued from corpus lines.
+
+    The lines are drawn in a seeded random order over the whole corpus, so every size mixes
+    all its sources (natural text in many scripts, CLDR/ISO names, word lists and Unicode
+    NormalizationTest lines). The corpus file lists its sources in blocks, so consecutive
+    lines from one offset — what this did before — gave each size a single source and sizes
+    that could not be compared (the ~512-token texts were all NormalizationTest lines).
+    """
+    order = random.Random(size).sample(range(len(lines)), len(lines))
     out = []
-    i = (size * 7919) % len(lines)
+    i = 0
     for _ in range(count):
         parts: list[str] = []
         n = 0
         while n < size - 2:
-            line = lines[i % len(lines)]
+            line = lines[order[i % len(order)]]
             i += 1
             k = len(hf.encode(line, add_special_tokens=False).ids)  # type: ignore[attr-defined]
             if n + k > size - 2 and n > 0:
@@ -365,7 +374,7 @@ def _write(
         "machine wall-clock numbers are inflated and noisy; callgrind instruction counts and allocation counts are not.",
         f"Rust-level binary profile: LTO {os.environ.get('CARGO_PROFILE_RELEASE_LTO', 'fat (Cargo.toml)')}, "
         f"codegen-units {os.environ.get('CARGO_PROFILE_RELEASE_CODEGEN_UNITS', '1')}.",
-        "Texts: distinct multilingual corpus texts glued to the target size; one thread per call; times in microseconds. "
+        "Texts: distinct multilingual texts glued to the target size from corpus lines drawn at random (seeded per size) across all the corpus's sources; one thread per call; times in microseconds. "
         f"Every p50/p99 is the median over {cfg.repeats} passes with the libraries alternating within each pass "
         "(batch: the median of alternating runs).",
         "",
