@@ -161,15 +161,20 @@ def test_answers_with_features_equal_answering_then_a_feature_pass(
         torch.testing.assert_close(f, r, atol=1e-5, rtol=1e-5)
 
 
-def test_unrolled_training_forward_matches_chained_drafting(target: LlamaForCausalLM) -> None:
+@pytest.mark.parametrize("feature_layers", [(), (0, 2)])
+def test_unrolled_training_forward_matches_chained_drafting(
+    target: LlamaForCausalLM, feature_layers: tuple[int, ...]
+) -> None:
     """The dense training forward of steps 1-3 computes what the paged head computes when it
-    drafts a chain: step 1 over teacher-forced pairs, then its own features fed back (the
-    head's cache holding the committed pairs and the chain's earlier drafts)."""
+    drafts a chain: step 1 over teacher-forced pairs (the target's final-norm feature, or
+    several of its layers side by side), then its own features fed back (the head's cache
+    holding the committed pairs and the chain's earlier drafts)."""
     torch.manual_seed(5)
-    head = MTPHead(MTPHeadConfig.for_target(target.config)).eval()
+    cfg = MTPHeadConfig.for_target(target.config, feature_layers=feature_layers)
+    head = MTPHead(cfg).eval()
     lens = [9, 6, 12]
     seqs = [torch.randint(0, VOCAB, (n,)).tolist() for n in lens]
-    feats = [torch.randn(n, 64) for n in lens]
+    feats = [torch.randn(n, cfg.feature_width) for n in lens]
     emb = target.tok_embeddings
     with torch.no_grad():
         fwd = UnrolledHead(head, lens)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_llama import HIDDEN, VOCAB, random_prompts, tiny_target
+from tiny_llama import HIDDEN, random_prompts, tiny_target
 
 from rose.assets import ensure_model
 from rose.generate import GenerationConfig, GenerationEngine
@@ -25,7 +25,6 @@ from rose.spec import SpecConfig
 from rose.spec.mtp import MTPHead, MTPHeadConfig
 from rose.spec.train_mtp import (
     TrainConfig,
-    UnrolledHead,
     answer_prompts,
     answer_with_features,
     collected_layers,
@@ -202,46 +201,6 @@ def test_feature_norms_start_as_the_targets_readers(target: LlamaForCausalLM) ->
     init_feature_norms(head, other)
     assert torch.equal(head.layer_norms[0].weight, other.layers[2].attention_norm.weight)
     assert torch.equal(head.layer_norms[1].weight, other.norm.weight)
-
-
-def test_unrolled_training_matches_chained_drafting_with_layer_features(
-    target: LlamaForCausalLM,
-) -> None:
-    """Training's dense forward (step 1 on the target's layer features, step 2 on the head's
-    own output) computes what the paged head computes when it drafts that chain."""
-    head = _multi_head(target)
-    lens = [9, 12]
-    seqs = [torch.randint(0, VOCAB, (n,)).tolist() for n in lens]
-    feats = [torch.randn(n, 2 * H) for n in lens]
-    emb = target.tok_embeddings
-    with torch.no_grad():
-        fwd = UnrolledHead(head, lens)
-        out1 = fwd.step(
-            torch.cat([f[:-1] for f in feats]),
-            emb(torch.tensor([t for s in seqs for t in s[1:]])),
-            torch.arange(sum(lens) - len(lens)),
-        )
-        rows2 = fwd.rows(2)
-        out2 = fwd.step(
-            out1[rows2],
-            emb(torch.tensor([seqs[fwd.seq1[r]][fwd.t1[r] + 2] for r in rows2.tolist()])),
-            rows2,
-        )
-        for seq, t in [(0, 0), (0, 5), (1, 9)]:
-            s, f = seqs[seq], feats[seq]
-            table = BlockTable(PageAllocator(4), 16)
-            table.reserve(t + 2)
-            cache = head.new_cache(4, 16)
-            meta = AttentionMetadata.build([(table, 0, t + 1)])
-            first = head(f[: t + 1], emb(torch.tensor(s[1 : t + 2])), meta, cache)[-1:]
-            meta = AttentionMetadata.build([(table, t + 1, 1)])
-            second = head(first, emb(torch.tensor([s[t + 2]])), meta, cache)
-            [i1] = [j for j in range(len(fwd.t1)) if fwd.seq1[j] == seq and fwd.t1[j] == t]
-            [i2] = [
-                j for j, r in enumerate(rows2.tolist()) if fwd.seq1[r] == seq and fwd.t1[r] == t
-            ]
-            torch.testing.assert_close(out1[i1 : i1 + 1], first, atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(out2[i2 : i2 + 1], second, atol=1e-5, rtol=1e-5)
 
 
 def test_trained_multi_layer_head_is_accepted_and_lossless(target: LlamaForCausalLM) -> None:
