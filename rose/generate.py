@@ -34,6 +34,7 @@ from rose.spec.draft_model import DraftRequest, ModelDrafter
 from rose.spec.mtp import MTPDrafter, MTPDraftRequest, MTPHead, draft_dtype
 from rose.spec.ngram import NgramDrafter
 from rose.spec.stats import SpecStats
+from rose.spec.tree import DraftTree, accept_greedy_tree, tree_metadata
 
 _NO_DRAFT: tuple[list[int], torch.Tensor | None] = ([], None)
 _MIN_LOGIT_ROWS = 4
@@ -159,7 +160,7 @@ class GenerationEngine:
         """Queue a request; returns its id. Raises `CapacityError` when it could never fit."""
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
-        worst = len(prompt_ids) + params.max_tokens + self.config.spec.num_draft_tokens
+        worst = len(prompt_ids) + params.max_tokens + self.config.spec.max_fed_drafts
         copies = 2 if self.drafter is not None or self.mtp is not None else 1
         need = copies * -(-worst // self.page_size)
         if need > self.allocator.num_pages:
@@ -210,7 +211,7 @@ class GenerationEngine:
                 raise CapacityError(1, self.allocator.num_free, self.allocator.num_pages)
             return []
         k_max = self.config.spec.num_draft_tokens
-        drafts = self._draft(k_max)
+        drafts, trees = self._draft(k_max)
         for s in list(self._running):
             if s not in self._running:
                 continue
@@ -230,17 +231,21 @@ class GenerationEngine:
 
         t0 = time.perf_counter()
         entries, ids, n_logits, idx, starts = [], [], [], [], []
+        tree_rows: list[tuple[int, int, int, DraftTree]] = []
         total = 0
-        for s in batch:
+        for b, s in enumerate(batch):
             d = drafts.get(s.seq_id, _NO_DRAFT)[0]
-            feed = s.tokens[s.table.length :] + d
+            pending = s.tokens[s.table.length :]
+            feed = pending + d
+            if s.seq_id in trees:
+                tree_rows.append((b, s.table.length, len(pending), trees[s.seq_id]))
             entries.append((s.table, s.table.length, len(feed)))
             starts.append(total)
             ids.extend(feed)
             total += len(feed)
             n_logits.append(len(d) + 1)
             idx.extend(range(total - len(d) - 1, total))  # the last len(d) + 1 fed tokens
-        meta = AttentionMetadata.build(entries, device=self.device)
+        meta = tree_metadata(AttentionMetadata.build(entries, device=self.device), tree_rows)
         n_rows = len(idx)
         if self.device.type == "cpu" and 1 < n_rows < _MIN_LOGIT_ROWS:
             # On the CPU 2-3 rows times the big LM head cost more than 4 (MKL runs them
@@ -265,7 +270,12 @@ class GenerationEngine:
         for i, (s, (_, cached, fed), n) in enumerate(zip(batch, entries, n_logits, strict=True)):
             d, q = drafts.get(s.seq_id, _NO_DRAFT)
             any_drafts = any_drafts or bool(d)
-            if s.params.greedy:
+            tree = trees.get(s.seq_id)
+            path: list[int] = []
+            if tree is not None:
+                path, nxt = accept_greedy_tree(tree, argmax[off : off + n])
+                n_acc = len(path)
+            elif s.params.greedy:
                 n_acc, nxt = accept_greedy(d, argmax[off : off + n])
             else:
                 p = token_probs(logits[off : off + n], s.params)  # [n, V]
@@ -276,14 +286,27 @@ class GenerationEngine:
                     res = accept_drafts(dt, q[None], p[None], s.generator)
                 n_acc, nxt = int(res.num_accepted[0]), int(res.next_token[0])
             off += n
-            if d:
-                self.stats.record(len(d), n_acc)
-                if self.config.spec.adaptive_k:  # longer after a fully kept chain
-                    grow = n_acc == len(d)
-                    s.draft_len = min(k_max, len(d) + 2) if grow else max(1, len(d) - 1)
-            new = d[:n_acc] + [nxt]
+            pending = fed - len(d)
+            rows = list(range(pending + n_acc))  # fed rows whose K/V and features are kept
+            if tree is not None:
+                alternative = bool(path) and path[-1] != n_acc - 1  # kept path leaves the chain
+                self.stats.record(len(tree.chain), n_acc, alternative=alternative)
+                new = [d[j] for j in path] + [nxt]
+                rows = list(range(pending)) + [pending + j for j in path]
+                if alternative:  # move the alternative's K/V next to the kept chain
+                    at, to = cached + rows[-1], cached + pending + n_acc - 1
+                    src, dst = s.table.slots(at, at + 1), s.table.slots(to, to + 1)
+                    self.cache.k[:, dst] = self.cache.k[:, src]
+                    self.cache.v[:, dst] = self.cache.v[:, src]
+            else:
+                if d:
+                    self.stats.record(len(d), n_acc)
+                    if self.config.spec.adaptive_k:  # longer after a fully kept chain
+                        grow = n_acc == len(d)
+                        s.draft_len = min(k_max, len(d) + 2) if grow else max(1, len(d) - 1)
+                new = d[:n_acc] + [nxt]
             # cache now validly holds everything fed except rejected drafts
-            valid = fed - len(d) + n_acc
+            valid = pending + n_acc
             s.table.length = cached + valid
             s.table.truncate(s.table.length)
             if self.drafter is not None and s.draft_table is not None:
@@ -293,7 +316,10 @@ class GenerationEngine:
             if self.mtp is not None and s.draft_table is not None and fwd.all_hidden is not None:
                 # head cache: only pairs built from target features stay (refilled below)
                 ModelDrafter.rollback(s.draft_table, len(s.tokens) - 1)
-                new_feats = fwd.all_hidden[starts[i] : starts[i] + valid]  # positions cached ..
+                if rows[-1] == valid - 1:  # positions cached .. in feed order
+                    new_feats = fwd.all_hidden[starts[i] : starts[i] + valid]
+                else:  # the kept path ends in an alternative
+                    new_feats = fwd.all_hidden[[starts[i] + r for r in rows]]
                 s.features = new_feats if s.features is None else torch.cat([s.features, new_feats])
             self._emit(s, new)
             outputs.append(StepOutput(s.seq_id, s.new_ids, s.finish_reason))
@@ -334,7 +360,7 @@ class GenerationEngine:
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.config.max_batch:
             s = self._waiting[0]
-            need = s.table.pages_needed(len(s.tokens) + self.config.spec.num_draft_tokens)
+            need = s.table.pages_needed(len(s.tokens) + self.config.spec.max_fed_drafts)
             if self._running and not self.allocator.can_allocate(need):
                 return  # backpressure: wait until running sequences free pages
             try:
@@ -350,10 +376,14 @@ class GenerationEngine:
         s.release()
         self._waiting.appendleft(s)
 
-    def _draft(self, k_max: int) -> dict[int, tuple[list[int], torch.Tensor | None]]:
-        """Drafts for sequences past prefill, at most ``max_tokens - generated - 1`` each."""
+    def _draft(
+        self, k_max: int
+    ) -> tuple[dict[int, tuple[list[int], torch.Tensor | None]], dict[int, DraftTree]]:
+        """Drafts for sequences past prefill, at most ``max_tokens - generated - 1`` each
+        (every node of a sequence's draft tree, in feed order, when it has one)."""
+        trees: dict[int, DraftTree] = {}
         if self.ngram is None and self.drafter is None and self.mtp is None:
-            return {}
+            return {}, trees
         t0 = time.perf_counter()
         todo: list[tuple[_Seq, int]] = []
         for s in self._running:
@@ -386,13 +416,19 @@ class GenerationEngine:
                     MTPDraftRequest(s.draft_table, s.features, s.tokens, k, s.params, s.generator)
                 )
                 owners.append((s, s.draft_table.length))
-            for (s, before), r, (d, q) in zip(owners, mreqs, self.mtp.propose(mreqs), strict=True):
+            widths = self.config.spec.tree_widths
+            proposals = self.mtp.propose(mreqs, widths)
+            for (s, before), r, (d, q, alts) in zip(owners, mreqs, proposals, strict=True):
                 if r.table.length > before:
                     s.features = None  # consumed into the head's cache
-                if d:
+                if d and any(alts):
+                    tree = DraftTree(d, alts)
+                    trees[s.seq_id] = tree
+                    out[s.seq_id] = (tree.tokens, q)
+                elif d:
                     out[s.seq_id] = (d, q)
         self.stats.draft_s += time.perf_counter() - t0
-        return out
+        return out, trees
 
     def _emit(self, s: _Seq, new: list[int]) -> None:
         """Append tokens one at a time, stopping at EOS / stop string / max_tokens: nothing

@@ -137,9 +137,9 @@ def test_head_with_a_draft_vocabulary_and_unrolled_training(
     original = eng.mtp.propose if eng.mtp is not None else None
     assert original is not None
 
-    def spy(reqs):  # record every drafted token
-        out = original(reqs)
-        drafted.extend(t for d, _ in out for t in d)
+    def spy(reqs, widths=()):  # record every drafted token
+        out = original(reqs, widths)
+        drafted.extend(t for d, _, _ in out for t in d)
         return out
 
     eng.mtp.propose = spy  # type: ignore[method-assign]

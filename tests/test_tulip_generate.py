@@ -172,6 +172,12 @@ def test_generation_flags_and_env() -> None:
     assert (default.spec, default.kv_pages, default.max_running_seqs) == ("none", 0, 32)
     draft = TulipConfig.from_args(["--model", "m", "--spec", "draft", "--draft-layers", "6"])
     assert draft.draft_layers == 6
+    assert draft.spec_tree_widths == ()
+    tree = TulipConfig.from_args(
+        ["--model", "m", "--spec", "mtp", "--mtp-head", "h", "--spec-draft-tokens", "2"],
+        {"TULIP_SPEC_TREE": "3,2"},
+    )
+    assert tree.spec_tree_widths == (3, 2)
 
 
 @pytest.mark.parametrize(
@@ -184,6 +190,13 @@ def test_generation_flags_and_env() -> None:
         (["--spec", "mtp"], "--mtp-head"),
         (["--mtp-head", "h"], "--mtp-head"),
         (["--spec-draft-tokens", "0"], "--spec-draft-tokens"),
+        (["--spec-tree", "2"], "--spec-tree"),
+        (["--spec", "mtp", "--mtp-head", "h", "--spec-tree", "3,x"], "--spec-tree"),
+        (["--spec", "mtp", "--mtp-head", "h", "--spec-tree", "3,0"], "--spec-tree"),
+        (
+            ["--spec", "mtp", "--mtp-head", "h", "--spec-draft-tokens", "1", "--spec-tree", "2,2"],
+            "--spec-tree",
+        ),
         (["--max-running-seqs", "0"], "--max-running-seqs"),
         (["--kv-pages", "-1"], "--kv-pages"),
         (["--kv-page-size", "0"], "--kv-page-size"),

@@ -66,6 +66,9 @@ class TulipConfig:
     """Speculative decoding: ``none``, ``ngram`` (prompt lookup), ``draft`` or ``mtp``."""
     spec_draft_tokens: int = 4
     """Tokens proposed per step when speculating."""
+    spec_tree: str = ""
+    """``--spec mtp``: widths of a draft tree per depth, e.g. ``3,2`` (greedy requests verify
+    the head's 3 best tokens at depth 1 and 2 at depth 2; `rose.spec.tree`); empty: chain."""
     draft_model: str = ""
     """``--spec draft``: the drafter's model directory or asset name (same tokenizer)."""
     draft_layers: int = 0
@@ -126,6 +129,30 @@ class TulipConfig:
             raise ConfigError("--spec mtp needs --mtp-head (a trained head's directory)")
         if self.spec != "mtp" and self.mtp_head:
             raise ConfigError("--mtp-head is only used with --spec mtp")
+        if self.spec_tree and self.spec != "mtp":
+            raise ConfigError("--spec-tree is only used with --spec mtp")
+        widths = self.spec_tree_widths
+        if len(widths) > self.spec_draft_tokens:
+            raise ConfigError(
+                f"--spec-tree has {len(widths)} depths but --spec-draft-tokens is "
+                f"{self.spec_draft_tokens}"
+            )
+
+    @property
+    def spec_tree_widths(self) -> tuple[int, ...]:
+        """``--spec-tree`` as a tuple of widths (``()`` when empty)."""
+        if not self.spec_tree.strip():
+            return ()
+        try:
+            widths = tuple(int(w) for w in self.spec_tree.split(","))
+        except ValueError:
+            widths = ()
+        if not widths or min(widths) < 1:
+            raise ConfigError(
+                f"--spec-tree must be comma-separated widths >= 1 (e.g. 3,2), "
+                f"got {self.spec_tree!r}"
+            )
+        return widths
 
     @classmethod
     def from_args(
@@ -176,6 +203,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-page-size", type=int, help="tokens per KV page (default 16)")
     gen.add_argument("--spec", help="speculative decoding: none | ngram | draft | mtp")
     gen.add_argument("--spec-draft-tokens", type=int, help="tokens drafted per step (default 4)")
+    gen.add_argument(
+        "--spec-tree", help="--spec mtp: draft-tree widths per depth, e.g. 3,2 (default: chain)"
+    )
     gen.add_argument("--draft-model", help="--spec draft: drafter directory or asset name")
     gen.add_argument(
         "--draft-layers", type=int, help="--spec draft: use the target's first N layers"

@@ -207,10 +207,14 @@ class GenerationBackend:
             return tokenizer.decode(ids, skip_special_tokens=True)
 
         context = cfg.max_position_embeddings
-        k = config.spec_draft_tokens if config.spec != "none" else 0
+        spec = SpecConfig(
+            method=config.spec,
+            num_draft_tokens=config.spec_draft_tokens,
+            tree_widths=config.spec_tree_widths,
+        )
+        k = spec.max_fed_drafts if config.spec != "none" else 0
         copies = 2 if config.spec in ("draft", "mtp") else 1
         pages = config.kv_pages or 2 * copies * math.ceil((context + k) / config.kv_page_size)
-        spec = SpecConfig(method=config.spec, num_draft_tokens=config.spec_draft_tokens)
         engine = GenerationEngine(
             model,
             GenerationConfig(
@@ -323,7 +327,7 @@ class GenerationBackend:
         engine = self._engine
         copies = 2 if engine.drafter is not None or engine.mtp is not None else 1
         pages = engine.allocator.num_pages // copies
-        return pages * engine.page_size - engine.config.spec.num_draft_tokens
+        return pages * engine.page_size - engine.config.spec.max_fed_drafts
 
     # -- the event loop's side -----------------------------------------------------------
 

@@ -23,6 +23,10 @@ class SpecConfig:
     head computed), so "auto" runs the head in bfloat16 where the hardware has fast bf16
     matrix products (CUDA, or oneDNN's AVX512-BF16/AMX path on the CPU), which halves the
     weight bytes each draft step reads, and in the head's own dtype elsewhere.
+    tree_widths: MTP only. Tokens verified at each draft depth: ``tree_widths[d]`` is the
+    chain's token plus the head's next best ``tree_widths[d] - 1`` at depth ``d + 1``, as
+    leaves of a draft tree (`rose.spec.tree`); depths past the tuple have width 1, and ()
+    is the plain chain. Greedy requests only (sampled ones draft the chain).
     """
 
     method: str = "none"
@@ -31,6 +35,12 @@ class SpecConfig:
     ngram_min: int = 1
     adaptive_k: bool = False
     draft_dtype: str = "auto"
+    tree_widths: tuple[int, ...] = ()
+
+    @property
+    def max_fed_drafts(self) -> int:
+        """Most draft tokens one verification pass feeds per sequence (tree nodes included)."""
+        return self.num_draft_tokens + sum(w - 1 for w in self.tree_widths)
 
     def __post_init__(self) -> None:
         if self.method not in _METHODS:
@@ -40,6 +50,21 @@ class SpecConfig:
         if self.draft_dtype not in _DRAFT_DTYPES:
             raise ValueError(
                 f"spec.draft_dtype must be one of {_DRAFT_DTYPES}, got {self.draft_dtype!r}"
+            )
+        widths = self.tree_widths
+        if not isinstance(widths, tuple) or not all(
+            isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths
+        ):
+            raise ValueError(f"spec.tree_widths must be a tuple of ints >= 1, got {widths!r}")
+        if widths and self.method != "mtp":
+            raise ValueError(
+                f"spec.tree_widths is for method 'mtp' (a draft head's ranked tokens), "
+                f"got method {self.method!r}"
+            )
+        if len(widths) > self.num_draft_tokens:
+            raise ValueError(
+                f"spec.tree_widths has {len(widths)} depths but num_draft_tokens is "
+                f"{self.num_draft_tokens}"
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(

@@ -13,6 +13,7 @@ Saved as ``model.safetensors`` + ``config.json`` (`MTPHeadConfig`) in a director
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from copy import deepcopy
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -320,10 +321,12 @@ class MTPDrafter:
 
     @torch.no_grad()
     def propose(
-        self, requests: list[MTPDraftRequest]
-    ) -> list[tuple[list[int], torch.Tensor | None]]:
-        """Chains of drafts per request and their distributions ``q [k, V]`` (None for
-        greedy requests, whose drafts are the head's argmax: q is one-hot at them)."""
+        self, requests: list[MTPDraftRequest], widths: Sequence[int] = ()
+    ) -> list[tuple[list[int], torch.Tensor | None, list[list[int]]]]:
+        """Chains of drafts per request, their distributions ``q [k, V]`` (None for
+        greedy requests, whose drafts are the head's argmax: q is one-hot at them) and, for
+        greedy requests when ``widths`` is given, the alternatives at each depth: the head's
+        next ``widths[d] - 1`` best tokens at depth ``d + 1`` (a `rose.spec.tree.DraftTree`)."""
         vocab = self.target.config.vocab_size
         emb = self.target.tok_embeddings
         draft_vocab = self.head.draft_vocab
@@ -339,6 +342,7 @@ class MTPDrafter:
                 pass
         drafts: list[list[int]] = [[] for _ in requests]
         dists: list[list[torch.Tensor]] = [[] for _ in requests]
+        alts: list[list[list[int]]] = [[] for _ in requests]
         # step 0 feeds the pending target features with the tokens that follow them
         feats = {i: requests[i].features for i in live}
         toks: dict[int, list[int]] = {}
@@ -357,12 +361,20 @@ class MTPDrafter:
                 out = out[meta.last_index]  # [B, H]
             # [B, N] over the draft vocabulary (the product in the weights' dtype)
             logits = (out.to(self.dtype) @ self.lm_weight.T).float()
-            best = draft_vocab[logits.argmax(-1)].tolist()  # [B] target ids, one sync
+            width = widths[step] if step < len(widths) else 1
+            if width > 1:  # [B, width] target ids, best first, one sync
+                ranked = draft_vocab[logits.topk(width, dim=-1).indices].tolist()
+                best = [row[0] for row in ranked]
+            else:
+                ranked = []
+                best = draft_vocab[logits.argmax(-1)].tolist()  # [B] target ids, one sync
             for row, i in enumerate(live):
                 r = requests[i]
                 r.table.length += len(toks[i])
                 if r.params.greedy:
                     tok = best[row]
+                    if widths:
+                        alts[i].append(ranked[row][1:] if ranked else [])
                 else:  # sample within the draft vocabulary; q is zero outside it
                     q_sub = token_probs(logits[row : row + 1], r.params)  # [1, N]
                     j = int(sample(q_sub, r.params, r.generator)[0])
@@ -375,5 +387,6 @@ class MTPDrafter:
                 feats[i] = out[row : row + 1]
                 toks[i] = [tok]
         return [
-            (drafts[i], torch.stack(dists[i]) if dists[i] else None) for i in range(len(requests))
+            (drafts[i], torch.stack(dists[i]) if dists[i] else None, alts[i])
+            for i in range(len(requests))
         ]

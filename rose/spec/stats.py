@@ -14,6 +14,8 @@ class SpecStats:
     steps: verify steps with at least one draft. drafted / accepted: draft tokens proposed
     / kept. proposed_at[i] / accepted_at[i]: steps whose draft had a position i / kept it.
     emitted: tokens produced by those steps (accepted + the one resampled/bonus token).
+    alternatives: steps whose kept drafts end in a draft tree's alternative (a leaf beside
+    the chain; `rose.spec.tree`); their accepted count is the kept path's depth.
     draft_s / verify_s: wall seconds spent drafting / in target verification passes.
     """
 
@@ -23,11 +25,13 @@ class SpecStats:
     emitted: int = 0
     proposed_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
+    alternatives: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, alternative: bool = False) -> None:
         self.steps += 1
+        self.alternatives += int(alternative)
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.emitted += num_accepted + 1
@@ -61,6 +65,7 @@ class SpecStats:
             "drafted": self.drafted,
             "accepted": self.accepted,
             "emitted": self.emitted,
+            "alternatives": self.alternatives,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "acceptance_per_position": self.acceptance_per_position,

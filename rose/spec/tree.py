@@ -1,0 +1,127 @@
+"""Draft trees for greedy verification: a chain of drafts with alternatives beside it.
+
+The MTP head drafts a chain ``c_1 .. c_k`` (its top token at each depth). At depth ``d`` its
+next best tokens are nearly free to verify too: the target pass over 5-6 tokens costs about
+what a pass over 4 costs on the CPU (memory-bound), so a tree spends spare rows on them.
+The tree is the chain (the trunk) plus, at each depth, alternatives that are leaves:
+
+    root ── c_1 ── c_2 ── c_3         nodes in feed order: c_1 c_2 c_3 | a_1 a_1' | a_2
+       ├── a_1    └── a_2             parent(c_d) = c_(d-1), parent(a_d) = c_(d-1)
+       └── a_1'                        (root for d = 1)
+
+Verification feeds the root's pending token(s) and every node in one pass; each node sits at
+position ``root + depth`` and sees the cache, the root and its own ancestors only (the mask
+`tree_metadata` builds). Greedy acceptance (`accept_greedy_tree`) follows the trunk while the
+target's argmax is the chain token; where it is not, an alternative equal to the argmax is
+kept and ends the walk (it has no children), and the target's argmax after the last kept
+node is the bonus token. Output stays exactly the target's greedy output: a token is kept
+only when it is the target's argmax at that position.
+
+Leaves only, so the head still runs k steps per draft (one query each) and drafting costs
+what the chain costs. Sampled requests use the plain chain: a lossless multi-candidate
+acceptance rule for sampling (SpecInfer's) is not implemented.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from rose.kv.metadata import AttentionMetadata
+
+__all__ = ["DraftTree", "accept_greedy_tree", "tree_metadata"]
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """chain: the trunk ``[k]``; alternatives[d]: leaf tokens at depth ``d + 1`` (parent:
+    chain token ``d``, or the root for ``d = 0``); at most ``len(chain)`` depths."""
+
+    chain: list[int]
+    alternatives: list[list[int]]
+
+    def __post_init__(self) -> None:
+        if len(self.alternatives) > len(self.chain):
+            raise ValueError(
+                f"a draft tree has alternatives at {len(self.alternatives)} depths but a "
+                f"chain of {len(self.chain)}"
+            )
+
+    @property
+    def tokens(self) -> list[int]:
+        """Every node's token in feed order: the chain, then the alternatives by depth."""
+        return self.chain + [t for alts in self.alternatives for t in alts]
+
+    @property
+    def depths(self) -> list[int]:
+        """Depth (1-based) of every node in feed order."""
+        return list(range(1, len(self.chain) + 1)) + [
+            d + 1 for d, alts in enumerate(self.alternatives) for _ in alts
+        ]
+
+    @property
+    def parents(self) -> list[int]:
+        """Parent node index (feed order) of every node; -1 for the root."""
+        return list(range(-1, len(self.chain) - 1)) + [
+            d - 1 for d, alts in enumerate(self.alternatives) for _ in alts
+        ]
+
+
+def accept_greedy_tree(tree: DraftTree, target_argmax: Sequence[int]) -> tuple[list[int], int]:
+    """target_argmax: the target's argmax at the root then at every node (feed order),
+    ``1 + len(tree.tokens)`` values → (kept node indices, root to leaf; next token)."""
+    path: list[int] = []
+    row = 0  # argmax row of the last kept node (0: the root)
+    offset = len(tree.chain)  # feed index of the first alternative at this depth
+    for d, tok in enumerate(tree.chain):
+        want = target_argmax[row]
+        alts = tree.alternatives[d] if d < len(tree.alternatives) else []
+        if tok == want:
+            path.append(d)
+            row = d + 1
+        elif want in alts:
+            j = offset + alts.index(want)
+            path.append(j)
+            return path, target_argmax[1 + j]
+        else:
+            return path, want
+        offset += len(alts)
+    return path, target_argmax[row]
+
+
+def tree_metadata(
+    meta: AttentionMetadata, trees: Sequence[tuple[int, int, int, DraftTree]]
+) -> AttentionMetadata:
+    """`meta` with tree positions and masks for some sequences of its batch.
+
+    trees: ``(batch row b, cached tokens, pending tokens P, tree)``; sequence ``b`` was fed
+    its P pending tokens then ``tree.tokens``. Node j gets position ``cached + P - 1 +
+    depth(j)`` and sees keys ``0 .. cached + P - 1`` plus its ancestors and itself."""
+    if not trees:
+        return meta
+    positions = meta.positions.clone()
+    lq, lk = meta.q_index.shape[1], meta.kv_slots.shape[1]
+    if meta.mask is None:
+        mask = torch.ones(meta.q_index.shape[0], 1, lq, lk, dtype=torch.bool)
+    else:
+        mask = meta.mask.clone()
+    cu = meta.cu_seqlens.tolist()
+    for b, cached, pending, tree in trees:
+        n = len(tree.tokens)
+        root = cached + pending  # first node's cache index
+        depth = torch.tensor(tree.depths, dtype=positions.dtype, device=positions.device)
+        positions[cu[b] + pending : cu[b] + pending + n] = root - 1 + depth
+        # ancestor-or-self matrix [n, n]: follow parent links (depth <= k steps)
+        anc = torch.eye(n, dtype=torch.bool)
+        parents = tree.parents
+        for j in range(n):
+            p = parents[j]
+            while p >= 0:
+                anc[j, p] = True
+                p = parents[p]
+        rows = mask[b, 0, pending : pending + n]
+        rows[:, root:] = False
+        rows[:, root : root + n] = anc.to(rows.device)
+    return replace(meta, positions=positions, mask=mask.to(meta.kv_slots.device))

@@ -1,0 +1,173 @@
+"""Draft trees (`rose.spec.tree`): the greedy tree walk against a brute-force reference,
+the tree mask against plain causal passes over each root-to-node path, and the engine with
+a trained head drafting trees: output identical to plain greedy, alternatives kept."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_llama import VOCAB, random_prompts, tiny_target
+
+from rose.generate import GenerationConfig, GenerationEngine
+from rose.kv.allocator import PageAllocator
+from rose.kv.block_table import BlockTable
+from rose.kv.metadata import AttentionMetadata
+from rose.models.llama import LlamaForCausalLM
+from rose.sampling import SamplingParams
+from rose.spec import SpecConfig
+from rose.spec.mtp import MTPHead
+from rose.spec.train_mtp import TrainConfig, answer_prompts, target_features, train_head
+from rose.spec.tree import DraftTree, accept_greedy_tree, tree_metadata
+
+GREEDY = SamplingParams(max_tokens=24)
+
+
+def _random_tree(rng: random.Random, vocab: int = 6) -> DraftTree:
+    k = rng.randint(1, 4)
+    chain = [rng.randrange(vocab) for _ in range(k)]
+    alts = []
+    for d in range(rng.randint(0, k)):
+        others = [t for t in range(vocab) if t != chain[d]]
+        alts.append(rng.sample(others, rng.randint(0, 3)))
+    return DraftTree(chain, alts)
+
+
+def _reference_walk(tree: DraftTree, argmax: list[int]) -> tuple[list[int], int]:
+    """Keep a node iff its parent is kept (or is the root) and its token is the target's
+    argmax after the parent; the kept path is the deepest kept node's ancestry."""
+    parents, tokens = tree.parents, tree.tokens
+    kept: dict[int, list[int]] = {-1: []}
+    changed = True
+    while changed:
+        changed = False
+        for j, (p, t) in enumerate(zip(parents, tokens, strict=True)):
+            if j not in kept and p in kept and t == argmax[p + 1]:
+                kept[j] = [*kept[p], j]
+                changed = True
+    deepest = max(kept.values(), key=len)
+    return deepest, argmax[deepest[-1] + 1 if deepest else 0]
+
+
+def test_greedy_tree_walk_matches_the_reference() -> None:
+    rng = random.Random(0)
+    alternatives = 0
+    for _ in range(3000):
+        tree = _random_tree(rng)
+        argmax = [rng.randrange(6) for _ in range(1 + len(tree.tokens))]
+        got = accept_greedy_tree(tree, argmax)
+        assert got == _reference_walk(tree, argmax), (tree, argmax)
+        alternatives += bool(got[0]) and got[0][-1] >= len(tree.chain)
+    assert alternatives > 100  # the walk really ends in alternatives, not only the chain
+
+
+def test_tree_shape() -> None:
+    tree = DraftTree([10, 11, 12], [[20, 21], [], [22]])
+    assert tree.tokens == [10, 11, 12, 20, 21, 22]
+    assert tree.depths == [1, 2, 3, 1, 1, 3]
+    assert tree.parents == [-1, 0, 1, -1, -1, 1]
+    with pytest.raises(ValueError, match="alternatives at 2 depths"):
+        DraftTree([1], [[2], [3]])
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaForCausalLM:
+    return tiny_target()
+
+
+def _plain_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    table = BlockTable(PageAllocator(16), 16)
+    table.reserve(len(ids))
+    meta = AttentionMetadata.build([(table, 0, len(ids))])
+    return model(torch.tensor(ids), meta, model.new_cache(16, 16)).logits[-1]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@torch.no_grad()
+def test_tree_pass_equals_plain_passes_over_each_path(target: LlamaForCausalLM, batch: int) -> None:
+    """One verification pass over pending tokens + a tree gives, at every node, the logits
+    of a plain causal pass over the prompt + that node's root-to-node path; with a second
+    sequence in the batch (padded layout) fed plainly beside it."""
+    prompt = random_prompts(3, 1)[0]
+    cached, pending = prompt[:-2], prompt[-2:]
+    tree = DraftTree([5, 6, 7], [[8, 9], [10], [11, 12]])
+    alloc = PageAllocator(32)
+    cache = target.new_cache(32, 16)
+    table = BlockTable(alloc, 16)
+    table.reserve(len(cached))
+    target(torch.tensor(cached), AttentionMetadata.build([(table, 0, len(cached))]), cache)
+    feed = pending + tree.tokens
+    table.reserve(len(cached) + len(feed))
+    entries = [(table, len(cached), len(feed))]
+    other = random_prompts(4, 1)[0]
+    if batch == 2:
+        t2 = BlockTable(alloc, 16)
+        t2.reserve(len(other))
+        entries.append((t2, 0, len(other)))
+    meta = tree_metadata(AttentionMetadata.build(entries), [(0, len(cached), len(pending), tree)])
+    ids = feed + (other if batch == 2 else [])
+    logits = target(torch.tensor(ids), meta, cache, torch.arange(len(ids))).logits
+    root = len(pending) - 1
+    torch.testing.assert_close(logits[root], _plain_logits(target, prompt), atol=1e-4, rtol=0)
+    parents, tokens = tree.parents, tree.tokens
+    for j in range(len(tokens)):
+        path, p = [tokens[j]], parents[j]
+        while p >= 0:
+            path.insert(0, tokens[p])
+            p = parents[p]
+        want = _plain_logits(target, prompt + path)
+        torch.testing.assert_close(logits[len(pending) + j], want, atol=1e-4, rtol=0)
+    if batch == 2:
+        torch.testing.assert_close(
+            logits[len(feed) :][-1], _plain_logits(target, other), atol=1e-4, rtol=0
+        )
+
+
+@pytest.fixture(scope="module")
+def head(target: LlamaForCausalLM) -> MTPHead:
+    seqs = answer_prompts(target, random_prompts(10, 96), answer_tokens=32)
+    feats = target_features(target, seqs)
+    head, _ = train_head(target, seqs, feats, TrainConfig(epochs=6, lr=3e-3, batch_tokens=512))
+    return head
+
+
+def _generate(target, head, prompts, widths=(), params=GREEDY):
+    spec = SpecConfig(method="mtp", num_draft_tokens=3, tree_widths=widths)
+    eng = GenerationEngine(target, GenerationConfig(max_batch=8, spec=spec), mtp_head=head)
+    return [r.output_ids for r in eng.generate(prompts, params)], eng
+
+
+def test_trees_are_lossless_and_keep_alternatives(target: LlamaForCausalLM, head: MTPHead) -> None:
+    prompts = random_prompts(20, 24)
+    base = [r.output_ids for r in GenerationEngine(target).generate(prompts, GREEDY)]
+    chain, eng_chain = _generate(target, head, prompts)
+    tree, eng_tree = _generate(target, head, prompts, widths=(4, 3, 2))
+    assert chain == base
+    assert tree == base
+    st = eng_tree.stats
+    assert st.alternatives > 0, st.as_dict()
+    # the alternatives are extra accepted drafts on top of what the same chain would keep
+    assert st.mean_accepted_length > eng_chain.stats.mean_accepted_length, (
+        st.as_dict(),
+        eng_chain.stats.as_dict(),
+    )
+    assert eng_tree.allocator.num_free == eng_tree.config.kv.num_pages
+
+
+def test_sampled_requests_draft_plain_chains(target: LlamaForCausalLM, head: MTPHead) -> None:
+    prompts = random_prompts(21, 4)
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=3)
+    out, eng = _generate(target, head, prompts, widths=(3, 2), params=params)
+    assert eng.stats.alternatives == 0 and eng.stats.drafted > 0
+    assert all(len(o) == 16 and all(0 <= t < VOCAB for t in o) for o in out)
+
+
+def test_tree_widths_validation() -> None:
+    assert SpecConfig(method="mtp", num_draft_tokens=3, tree_widths=(3, 2)).max_fed_drafts == 6
+    with pytest.raises(ValueError, match="tree_widths must be a tuple of ints >= 1"):
+        SpecConfig(method="mtp", tree_widths=(2, 0))
+    with pytest.raises(ValueError, match="tree_widths is for method 'mtp'"):
+        SpecConfig(method="ngram", tree_widths=(2,))
+    with pytest.raises(ValueError, match="3 depths but num_draft_tokens is 2"):
+        SpecConfig(method="mtp", num_draft_tokens=2, tree_widths=(2, 2, 2))
