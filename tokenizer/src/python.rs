@@ -1,8 +1,9 @@
 //! The Python extension module `tokenizer._native` (pyo3).
 //!
 //! Errors from the crate become `TokenizerError` (a `ValueError`) here and only here.
-//! Batch calls release the GIL and run over rayon's pool with one [`Scratch`] per
-//! worker thread; single calls release the GIL when the input is long.
+//! Batch calls release the GIL and run on the calling thread plus one scoped thread per
+//! further core (`rayon::current_num_threads()`, so `RAYON_NUM_THREADS` caps them), each
+//! with its own [`Scratch`]; single calls release the GIL when the input is long.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -12,7 +13,6 @@ use numpy::{PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple};
-use rayon::prelude::*;
 
 use crate::{Error, Scratch, Tokenizer};
 
@@ -25,6 +25,10 @@ pyo3::create_exception!(
 
 /// Inputs at least this long (bytes) are encoded with the GIL released.
 const RELEASE_GIL_BYTES: usize = 4096;
+
+/// Batches shorter than this (bytes of text in all) are encoded on the calling thread: about
+/// 10 µs of work at ~0.4 GB/s, under what starting a thread and joining it costs.
+const PARALLEL_BYTES: usize = 4096;
 
 thread_local! {
     /// Per-thread working memory, reused across calls on this thread.
@@ -93,25 +97,39 @@ type U32Array<'py> = Bound<'py, PyArray1<u32>>;
 /// ran on one core from start to end (16 ms wall = 16 ms CPU against 8 ms / 16 ms when both
 /// worked). Here the caller starts at once and a fresh thread is placed on an idle core, so
 /// a batch is never slower than one thread doing it all. Spawning costs tens of µs, which
-/// batches that need several cores dwarf.
-fn on_all_cores<T: Send>(n: usize, job: impl Fn(usize, &mut Scratch) -> T + Sync) -> Vec<T> {
+/// batches that need several cores dwarf; `bytes` (the batch's text length) below
+/// [`PARALLEL_BYTES`] runs everything on the calling thread instead. The calling thread
+/// uses its thread-local scratch; the scoped threads borrow grown ones from `spares` and
+/// put them back, so a steady stream of batches does not regrow scratch every call.
+fn on_all_cores<T: Send>(
+    n: usize,
+    bytes: usize,
+    spares: &Mutex<Vec<Scratch>>,
+    job: impl Fn(usize, &mut Scratch) -> T + Sync,
+) -> Vec<T> {
+    if bytes < PARALLEL_BYTES {
+        return with_scratch(|s| (0..n).map(|i| job(i, s)).collect());
+    }
     let slots: Vec<Mutex<Option<T>>> = (0..n).map(|_| Mutex::new(None)).collect();
     let next = AtomicUsize::new(0);
-    let work = || {
-        with_scratch(|s| loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            if i >= n {
-                break;
-            }
-            let out = job(i, s);
-            *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
-        })
+    let run = |s: &mut Scratch| loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        if i >= n {
+            break;
+        }
+        let out = job(i, s);
+        *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
     };
+    let lock = || spares.lock().unwrap_or_else(|e| e.into_inner());
     std::thread::scope(|scope| {
         for _ in 1..rayon::current_num_threads().min(n) {
-            scope.spawn(work);
+            scope.spawn(|| {
+                let mut s = lock().pop().unwrap_or_default();
+                run(&mut s);
+                lock().push(s);
+            });
         }
-        work();
+        with_scratch(run);
     });
     slots
         .into_iter()
@@ -123,29 +141,41 @@ fn on_all_cores<T: Send>(n: usize, job: impl Fn(usize, &mut Scratch) -> T + Sync
         .collect()
 }
 
+/// Splits `items` into about 16 chunks per core (so that when a neighbour slows one core
+/// the others take over at a fine grain).
+fn chunks_of<T>(items: &[T]) -> Vec<&[T]> {
+    let chunk = items
+        .len()
+        .div_ceil(rayon::current_num_threads() * 16)
+        .max(1);
+    items.chunks(chunk).collect()
+}
+
+fn total_bytes(texts: &[&str]) -> usize {
+    texts.iter().map(|t| t.len()).sum()
+}
+
 /// Encodes `texts` in parallel into one flat id buffer plus per-text lengths.
 fn encode_packed(
     tok: &Tokenizer,
+    spares: &Mutex<Vec<Scratch>>,
     texts: &[&str],
     add_special_tokens: bool,
     max_length: Option<usize>,
 ) -> Result<(Vec<u32>, Vec<u32>), Error> {
-    let chunk = texts
-        .len()
-        .div_ceil(rayon::current_num_threads() * 16)
-        .max(1);
-    let chunks: Vec<&[&str]> = texts.chunks(chunk).collect();
-    let parts: Vec<Result<Packed, Error>> = on_all_cores(chunks.len(), |i, s| {
-        let mut ids = Vec::new();
-        let mut lengths = Vec::with_capacity(chunks[i].len());
-        let mut one = Vec::new();
-        for t in chunks[i] {
-            tok.encode_into(t, add_special_tokens, max_length, s, &mut one)?;
-            ids.extend_from_slice(&one);
-            lengths.push(one.len() as u32);
-        }
-        Ok((ids, lengths))
-    });
+    let chunks = chunks_of(texts);
+    let parts: Vec<Result<Packed, Error>> =
+        on_all_cores(chunks.len(), total_bytes(texts), spares, |i, s| {
+            let mut ids = Vec::new();
+            let mut lengths = Vec::with_capacity(chunks[i].len());
+            let mut one = Vec::new();
+            for t in chunks[i] {
+                tok.encode_into(t, add_special_tokens, max_length, s, &mut one)?;
+                ids.extend_from_slice(&one);
+                lengths.push(one.len() as u32);
+            }
+            Ok((ids, lengths))
+        });
     let mut ids = Vec::new();
     let mut lengths = Vec::with_capacity(texts.len());
     for p in parts {
@@ -160,6 +190,8 @@ fn encode_packed(
 #[pyclass(name = "Tokenizer", module = "tokenizer._native", frozen)]
 struct PyTokenizer {
     inner: Arc<Tokenizer>,
+    /// Grown scratches for the scoped threads of batch calls (see [`on_all_cores`]).
+    spares: Mutex<Vec<Scratch>>,
 }
 
 #[pymethods]
@@ -173,6 +205,7 @@ impl PyTokenizer {
             .map_err(to_py)?;
         Ok(Self {
             inner: Arc::new(tok),
+            spares: Mutex::new(Vec::new()),
         })
     }
 
@@ -231,18 +264,25 @@ impl PyTokenizer {
         let items = str_items(texts, "texts")?;
         let strs = as_strs(&items)?;
         let tok = &*self.inner;
-        py.detach(|| {
-            strs.par_iter()
-                .map(|t| {
-                    with_scratch(|s| {
+        let chunks = chunks_of(&strs);
+        type Part = Result<Vec<Vec<u32>>, Error>;
+        let parts: Vec<Part> = py.detach(|| {
+            on_all_cores(chunks.len(), total_bytes(&strs), &self.spares, |i, s| {
+                chunks[i]
+                    .iter()
+                    .map(|t| {
                         let mut out = Vec::new();
                         tok.encode_into(t, add_special_tokens, max_length, s, &mut out)
                             .map(|()| out)
                     })
-                })
-                .collect::<Result<Vec<_>, _>>()
-        })
-        .map_err(to_py)
+                    .collect()
+            })
+        });
+        let mut all = Vec::with_capacity(strs.len());
+        for p in parts {
+            all.extend(p.map_err(to_py)?);
+        }
+        Ok(all)
     }
 
     #[pyo3(signature = (texts, add_special_tokens=true, max_length=None))]
@@ -257,7 +297,7 @@ impl PyTokenizer {
         let strs = as_strs(&items)?;
         let tok = &*self.inner;
         let (ids, lengths) = py
-            .detach(|| encode_packed(tok, &strs, add_special_tokens, max_length))
+            .detach(|| encode_packed(tok, &self.spares, &strs, add_special_tokens, max_length))
             .map_err(to_py)?;
         Ok((PyArray1::from_vec(py, ids), PyArray1::from_vec(py, lengths)))
     }
@@ -298,28 +338,21 @@ impl PyTokenizer {
         let items = str_items(documents, "documents")?;
         let docs = as_strs(&items)?;
         let tok = &*self.inner;
-        let chunk = docs
-            .len()
-            .div_ceil(rayon::current_num_threads() * 16)
-            .max(1);
+        let chunks = chunks_of(&docs);
+        let bytes = total_bytes(&docs) + query.len() * docs.len();
         type Part = Result<(Vec<u32>, Vec<u32>, Vec<u32>), Error>;
         let parts: Vec<Part> = py.detach(|| {
-            docs.par_chunks(chunk)
-                .map(|chunk| {
-                    with_scratch(|s| {
-                        let (mut ids, mut lens, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
-                        let mut one = Vec::new();
-                        for d in chunk {
-                            let first =
-                                tok.encode_pair_into(query, d, true, max_length, s, &mut one)?;
-                            ids.extend_from_slice(&one);
-                            lens.push(one.len() as u32);
-                            firsts.push(first as u32);
-                        }
-                        Ok((ids, lens, firsts))
-                    })
-                })
-                .collect()
+            on_all_cores(chunks.len(), bytes, &self.spares, |i, s| {
+                let (mut ids, mut lens, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
+                let mut one = Vec::new();
+                for d in chunks[i] {
+                    let first = tok.encode_pair_into(query, d, true, max_length, s, &mut one)?;
+                    ids.extend_from_slice(&one);
+                    lens.push(one.len() as u32);
+                    firsts.push(first as u32);
+                }
+                Ok((ids, lens, firsts))
+            })
         });
         let (mut ids, mut lens, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
         for p in parts {
