@@ -152,7 +152,8 @@ MTP_METHODS: dict[str, dict[str, Any]] = {
     # draft trees (rose.spec.tree): the chain plus the head's next best tokens as leaves,
     # 5 nodes in all, so a verification pass feeds 6 tokens (oneDNN's cheapest row count)
     "mtp tree k=2 widths 3,2": {"method": "mtp", "num_draft_tokens": 2, "tree_widths": (3, 2)},
-    "mtp tree k=3 widths 3": {"method": "mtp", "num_draft_tokens": 3, "tree_widths": (3,)},
+    # a dynamic tree: the 5 nodes the head rates likeliest, up to 4 deep (SpecConfig.tree_nodes)
+    "mtp tree k=4 dynamic 5": {"method": "mtp", "num_draft_tokens": 4, "tree_nodes": 5},
 }
 DRAFT_LAYERS = 6
 # (prompt set, method-name prefix) -> bar; "mtp k=" rows are chains, the MTP bar

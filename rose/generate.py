@@ -416,8 +416,8 @@ class GenerationEngine:
                     MTPDraftRequest(s.draft_table, s.features, s.tokens, k, s.params, s.generator)
                 )
                 owners.append((s, s.draft_table.length))
-            widths = self.config.spec.tree_widths
-            proposals = self.mtp.propose(mreqs, widths)
+            spec = self.config.spec
+            proposals = self.mtp.propose(mreqs, spec.tree_widths, spec.tree_nodes)
             for (s, before), r, (d, q, alts) in zip(owners, mreqs, proposals, strict=True):
                 if r.table.length > before:
                     s.features = None  # consumed into the head's cache

@@ -137,8 +137,8 @@ def test_head_with_a_draft_vocabulary_and_unrolled_training(
     original = eng.mtp.propose if eng.mtp is not None else None
     assert original is not None
 
-    def spy(reqs, widths=()):  # record every drafted token
-        out = original(reqs, widths)
+    def spy(reqs, widths=(), nodes=0):  # record every drafted token
+        out = original(reqs, widths, nodes)
         drafted.extend(t for d, _, _ in out for t in d)
         return out
 

@@ -19,7 +19,7 @@ from rose.sampling import SamplingParams
 from rose.spec import SpecConfig
 from rose.spec.mtp import MTPHead
 from rose.spec.train_mtp import TrainConfig, answer_prompts, target_features, train_head
-from rose.spec.tree import DraftTree, accept_greedy_tree, tree_metadata
+from rose.spec.tree import DraftTree, DynamicTree, accept_greedy_tree, tree_metadata
 
 GREEDY = SamplingParams(max_tokens=24)
 
@@ -171,3 +171,65 @@ def test_tree_widths_validation() -> None:
         SpecConfig(method="ngram", tree_widths=(2,))
     with pytest.raises(ValueError, match="3 depths but num_draft_tokens is 2"):
         SpecConfig(method="mtp", num_draft_tokens=2, tree_widths=(2, 2, 2))
+    assert SpecConfig(method="mtp", num_draft_tokens=4, tree_nodes=5).max_fed_drafts == 5
+    with pytest.raises(ValueError, match="tree_nodes must be >= 0"):
+        SpecConfig(method="mtp", tree_nodes=-1)
+    with pytest.raises(ValueError, match="tree_nodes is for method 'mtp'"):
+        SpecConfig(method="draft", tree_nodes=3)
+    with pytest.raises(ValueError, match="excludes spec.tree_widths"):
+        SpecConfig(method="mtp", tree_nodes=3, tree_widths=(2,))
+
+
+def _ranked(rng: random.Random, width: int) -> tuple[list[int], list[float]]:
+    """Distinct tokens with descending probabilities summing to at most 1."""
+    raw = sorted((rng.random() ** 3 for _ in range(width)), reverse=True)
+    total = sum(raw) / rng.uniform(0.5, 1.0)
+    return rng.sample(range(100), width), [r / total for r in raw]
+
+
+def test_dynamic_tree_picks_the_likeliest_nodes() -> None:
+    """The nodes kept are the `nodes` candidates with the highest path probability among
+    all depths the head could have run (stopping early never loses one), and they form a
+    chain plus leaves."""
+    rng = random.Random(1)
+    stopped_early = 0
+    for _ in range(2000):
+        nodes, k = rng.randint(1, 6), rng.randint(1, 4)
+        levels = [_ranked(rng, nodes) for _ in range(k)]
+        tree = DynamicTree(nodes)
+        steps = 0
+        for d, (toks, probs) in enumerate(levels):
+            tree.add(toks, probs, can_grow=d + 1 < k)
+            steps += 1
+            if not tree.grows:
+                break
+        stopped_early += steps < k
+        chain, alts = tree.select()
+        # reference: every candidate of every depth with its path probability
+        cands, reach = [], 1.0
+        for d, (toks, probs) in enumerate(levels):
+            cands += [
+                (reach * p, d, j > 0, t) for j, (t, p) in enumerate(zip(toks, probs, strict=True))
+            ]
+            reach *= probs[0]
+        want = sorted(cands, key=lambda c: (-c[0], c[1], c[2]))[:nodes]
+        got = [(d, False, t) for d, t in enumerate(chain)] + [
+            (d, True, t) for d, level in enumerate(alts) for t in level
+        ]
+        assert sorted(got) == sorted((d, a, t) for _, d, a, t in want)
+        assert chain == [levels[d][0][0] for d in range(len(chain))]
+        assert len(chain) + sum(map(len, alts)) == min(nodes, len(cands))
+        DraftTree(chain, alts)  # a valid tree: alternatives only where the chain reaches
+    assert stopped_early > 200  # the early stop is exercised
+
+
+def test_dynamic_trees_are_lossless_and_keep_alternatives(
+    target: LlamaForCausalLM, head: MTPHead
+) -> None:
+    prompts = random_prompts(22, 24)
+    base = [r.output_ids for r in GenerationEngine(target).generate(prompts, GREEDY)]
+    spec = SpecConfig(method="mtp", num_draft_tokens=4, tree_nodes=5)
+    eng = GenerationEngine(target, GenerationConfig(max_batch=8, spec=spec), mtp_head=head)
+    assert [r.output_ids for r in eng.generate(prompts, GREEDY)] == base
+    assert eng.stats.alternatives > 0 and eng.stats.accepted > 0, eng.stats.as_dict()
+    assert eng.allocator.num_free == eng.config.kv.num_pages

@@ -178,6 +178,10 @@ def test_generation_flags_and_env() -> None:
         {"TULIP_SPEC_TREE": "3,2"},
     )
     assert tree.spec_tree_widths == (3, 2)
+    dynamic = TulipConfig.from_args(
+        ["--model", "m", "--spec", "mtp", "--mtp-head", "h", "--spec-tree-nodes", "5"], {}
+    )
+    assert (dynamic.spec_tree_nodes, dynamic.spec_tree_widths) == (5, ())
 
 
 @pytest.mark.parametrize(
@@ -191,6 +195,12 @@ def test_generation_flags_and_env() -> None:
         (["--mtp-head", "h"], "--mtp-head"),
         (["--spec-draft-tokens", "0"], "--spec-draft-tokens"),
         (["--spec-tree", "2"], "--spec-tree"),
+        (["--spec-tree-nodes", "4"], "--spec-tree-nodes"),
+        (["--spec", "mtp", "--mtp-head", "h", "--spec-tree-nodes", "-1"], "--spec-tree-nodes"),
+        (
+            ["--spec", "mtp", "--mtp-head", "h", "--spec-tree-nodes", "4", "--spec-tree", "2"],
+            "--spec-tree-nodes",
+        ),
         (["--spec", "mtp", "--mtp-head", "h", "--spec-tree", "3,x"], "--spec-tree"),
         (["--spec", "mtp", "--mtp-head", "h", "--spec-tree", "3,0"], "--spec-tree"),
         (

@@ -69,6 +69,9 @@ class TulipConfig:
     spec_tree: str = ""
     """``--spec mtp``: widths of a draft tree per depth, e.g. ``3,2`` (greedy requests verify
     the head's 3 best tokens at depth 1 and 2 at depth 2; `rose.spec.tree`); empty: chain."""
+    spec_tree_nodes: int = 0
+    """``--spec mtp``: a dynamic draft tree of this many nodes picked by the head's own
+    probabilities, up to ``--spec-draft-tokens`` deep (instead of ``--spec-tree``); 0: off."""
     draft_model: str = ""
     """``--spec draft``: the drafter's model directory or asset name (same tokenizer)."""
     draft_layers: int = 0
@@ -131,6 +134,12 @@ class TulipConfig:
             raise ConfigError("--mtp-head is only used with --spec mtp")
         if self.spec_tree and self.spec != "mtp":
             raise ConfigError("--spec-tree is only used with --spec mtp")
+        if self.spec_tree_nodes < 0:
+            raise ConfigError(f"--spec-tree-nodes must be at least 0, got {self.spec_tree_nodes}")
+        if self.spec_tree_nodes and self.spec != "mtp":
+            raise ConfigError("--spec-tree-nodes is only used with --spec mtp")
+        if self.spec_tree_nodes and self.spec_tree:
+            raise ConfigError("--spec-tree-nodes (a dynamic tree) excludes --spec-tree")
         widths = self.spec_tree_widths
         if len(widths) > self.spec_draft_tokens:
             raise ConfigError(
@@ -205,6 +214,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--spec-draft-tokens", type=int, help="tokens drafted per step (default 4)")
     gen.add_argument(
         "--spec-tree", help="--spec mtp: draft-tree widths per depth, e.g. 3,2 (default: chain)"
+    )
+    gen.add_argument(
+        "--spec-tree-nodes", type=int, help="--spec mtp: dynamic draft tree of N nodes (default 0)"
     )
     gen.add_argument("--draft-model", help="--spec draft: drafter directory or asset name")
     gen.add_argument(

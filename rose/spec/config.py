@@ -27,6 +27,9 @@ class SpecConfig:
     chain's token plus the head's next best ``tree_widths[d] - 1`` at depth ``d + 1``, as
     leaves of a draft tree (`rose.spec.tree`); depths past the tuple have width 1, and ()
     is the plain chain. Greedy requests only (sampled ones draft the chain).
+    tree_nodes: MTP only, instead of tree_widths: a dynamic draft tree of this many nodes,
+    chosen per step by the head's own path probabilities (up to num_draft_tokens deep);
+    0: off. Greedy requests only.
     """
 
     method: str = "none"
@@ -36,10 +39,13 @@ class SpecConfig:
     adaptive_k: bool = False
     draft_dtype: str = "auto"
     tree_widths: tuple[int, ...] = ()
+    tree_nodes: int = 0
 
     @property
     def max_fed_drafts(self) -> int:
         """Most draft tokens one verification pass feeds per sequence (tree nodes included)."""
+        if self.tree_nodes:
+            return max(self.num_draft_tokens, self.tree_nodes)
         return self.num_draft_tokens + sum(w - 1 for w in self.tree_widths)
 
     def __post_init__(self) -> None:
@@ -61,6 +67,17 @@ class SpecConfig:
                 f"spec.tree_widths is for method 'mtp' (a draft head's ranked tokens), "
                 f"got method {self.method!r}"
             )
+        if isinstance(self.tree_nodes, bool) or not isinstance(self.tree_nodes, int):
+            raise ValueError(f"spec.tree_nodes must be an int, got {self.tree_nodes!r}")
+        if self.tree_nodes < 0:
+            raise ValueError(f"spec.tree_nodes must be >= 0, got {self.tree_nodes}")
+        if self.tree_nodes and self.method != "mtp":
+            raise ValueError(
+                f"spec.tree_nodes is for method 'mtp' (a draft head's ranked tokens), "
+                f"got method {self.method!r}"
+            )
+        if self.tree_nodes and widths:
+            raise ValueError("spec.tree_nodes (a dynamic tree) excludes spec.tree_widths")
         if len(widths) > self.num_draft_tokens:
             raise ValueError(
                 f"spec.tree_widths has {len(widths)} depths but num_draft_tokens is "

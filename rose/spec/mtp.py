@@ -37,6 +37,7 @@ from rose.models.llama import (
 )
 from rose.packed import can_pack, pack_linears
 from rose.sampling import SamplingParams, sample, token_probs
+from rose.spec.tree import DynamicTree
 
 __all__ = ["MTPDraftRequest", "MTPDrafter", "MTPHead", "MTPHeadConfig", "draft_dtype"]
 
@@ -321,12 +322,20 @@ class MTPDrafter:
 
     @torch.no_grad()
     def propose(
-        self, requests: list[MTPDraftRequest], widths: Sequence[int] = ()
+        self, requests: list[MTPDraftRequest], widths: Sequence[int] = (), nodes: int = 0
     ) -> list[tuple[list[int], torch.Tensor | None, list[list[int]]]]:
         """Chains of drafts per request, their distributions ``q [k, V]`` (None for
         greedy requests, whose drafts are the head's argmax: q is one-hot at them) and, for
-        greedy requests when ``widths`` is given, the alternatives at each depth: the head's
-        next ``widths[d] - 1`` best tokens at depth ``d + 1`` (a `rose.spec.tree.DraftTree`)."""
+        greedy requests, the alternatives at each depth of a draft tree
+        (`rose.spec.tree.DraftTree`; empty lists without one):
+
+        - ``widths``: a static tree, the head's next ``widths[d] - 1`` best tokens at depth
+          ``d + 1``;
+        - ``nodes``: a dynamic tree of that many nodes, chosen by the head's own path
+          probabilities (`rose.spec.tree.DynamicTree`): the chain grows only while its tip
+          is likely enough for its children to make the cut, so an unsure head spends its
+          nodes on alternatives at depth 1 and skips the head steps it would have wasted.
+        """
         vocab = self.target.config.vocab_size
         emb = self.target.tok_embeddings
         draft_vocab = self.head.draft_vocab
@@ -343,6 +352,7 @@ class MTPDrafter:
         drafts: list[list[int]] = [[] for _ in requests]
         dists: list[list[torch.Tensor]] = [[] for _ in requests]
         alts: list[list[list[int]]] = [[] for _ in requests]
+        dynamic = {i: DynamicTree(nodes) for i in live if nodes and requests[i].params.greedy}
         # step 0 feeds the pending target features with the tokens that follow them
         feats = {i: requests[i].features for i in live}
         toks: dict[int, list[int]] = {}
@@ -351,7 +361,11 @@ class MTPDrafter:
             start = r.table.length + 1  # pair t pairs feature t with token t + 1
             toks[i] = r.tokens[start : start + r.features.shape[0]]
         for step in range(max((requests[i].k for i in live), default=0)):
-            live = [i for i in live if requests[i].k > step]
+            live = [
+                i for i in live if requests[i].k > step and (i not in dynamic or dynamic[i].grows)
+            ]
+            if not live:
+                break
             entries = [(requests[i].table, requests[i].table.length, len(toks[i])) for i in live]
             meta = AttentionMetadata.build(entries, device=self.cache.k.device)
             ids = torch.tensor([t for i in live for t in toks[i]], device=self.cache.k.device)
@@ -361,9 +375,12 @@ class MTPDrafter:
                 out = out[meta.last_index]  # [B, H]
             # [B, N] over the draft vocabulary (the product in the weights' dtype)
             logits = (out.to(self.dtype) @ self.lm_weight.T).float()
-            width = widths[step] if step < len(widths) else 1
+            width = nodes or (widths[step] if step < len(widths) else 1)
+            probs: list[list[float]] = []
             if width > 1:  # [B, width] target ids, best first, one sync
-                ranked = draft_vocab[logits.topk(width, dim=-1).indices].tolist()
+                top = (torch.softmax(logits, -1) if nodes else logits).topk(width, dim=-1)
+                ranked = draft_vocab[top.indices].tolist()
+                probs = top.values.tolist() if nodes else []
                 best = [row[0] for row in ranked]
             else:
                 ranked = []
@@ -373,7 +390,9 @@ class MTPDrafter:
                 r.table.length += len(toks[i])
                 if r.params.greedy:
                     tok = best[row]
-                    if widths:
+                    if i in dynamic:
+                        dynamic[i].add(ranked[row], probs[row], can_grow=step + 1 < r.k)
+                    elif widths:
                         alts[i].append(ranked[row][1:] if ranked else [])
                 else:  # sample within the draft vocabulary; q is zero outside it
                     q_sub = token_probs(logits[row : row + 1], r.params)  # [1, N]
@@ -386,6 +405,8 @@ class MTPDrafter:
                 drafts[i].append(tok)
                 feats[i] = out[row : row + 1]
                 toks[i] = [tok]
+        for i, tree in dynamic.items():
+            drafts[i], alts[i] = tree.select()
         return [
             (drafts[i], torch.stack(dists[i]) if dists[i] else None, alts[i])
             for i in range(len(requests))

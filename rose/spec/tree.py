@@ -18,7 +18,9 @@ node is the bonus token. Output stays exactly the target's greedy output: a toke
 only when it is the target's argmax at that position.
 
 Leaves only, so the head still runs k steps per draft (one query each) and drafting costs
-what the chain costs. Sampled requests use the plain chain: a lossless multi-candidate
+what the chain costs. The widths per depth are fixed (`SpecConfig.tree_widths`) or chosen per
+step from the head's own probabilities (`DynamicTree`, `SpecConfig.tree_nodes`, after
+EAGLE-2's dynamic trees). Sampled requests use the plain chain: a lossless multi-candidate
 acceptance rule for sampling (SpecInfer's) is not implemented.
 """
 
@@ -31,7 +33,7 @@ import torch
 
 from rose.kv.metadata import AttentionMetadata
 
-__all__ = ["DraftTree", "accept_greedy_tree", "tree_metadata"]
+__all__ = ["DraftTree", "DynamicTree", "accept_greedy_tree", "tree_metadata"]
 
 
 @dataclass(frozen=True)
@@ -125,3 +127,46 @@ def tree_metadata(
         rows[:, root:] = False
         rows[:, root : root + n] = anc.to(rows.device)
     return replace(meta, positions=positions, mask=mask.to(meta.kv_slots.device))
+
+
+class DynamicTree:
+    """Chooses a draft tree of ``nodes`` nodes from the head's ranked tokens per depth.
+
+    Every candidate gets the head's estimate of reaching it: the product of the head's
+    probabilities along its path (chain token after chain token, then its own). The tree is
+    the ``nodes`` most likely candidates; a chain token always ranks at or above its
+    alternatives and its children, so the chosen set is closed under ancestry. The chain grows
+    (another head step) only while its tip's estimate beats the ``nodes``-th best so far:
+    otherwise no child of the tip could make the cut."""
+
+    def __init__(self, nodes: int) -> None:
+        self.nodes = nodes
+        self.tip = 1.0  # estimate of reaching the chain's tip
+        self.chain: list[int] = []
+        # (estimate, depth, 0 for a chain token / 1 for an alternative, token)
+        self.pool: list[tuple[float, int, int, int]] = []
+        self.grows = True
+
+    def add(self, ranked: list[int], probs: list[float], can_grow: bool) -> None:
+        depth = len(self.chain) + 1
+        self.pool += [
+            (self.tip * p, depth, int(j > 0), t)
+            for j, (t, p) in enumerate(zip(ranked, probs, strict=True))
+        ]
+        self.chain.append(ranked[0])
+        self.tip *= probs[0]
+        self.pool.sort(key=lambda c: (-c[0], c[1], c[2]))
+        del self.pool[self.nodes :]
+        cut = self.pool[-1][0] if len(self.pool) == self.nodes else 0.0
+        self.grows = can_grow and self.tip > cut
+
+    def select(self) -> tuple[list[int], list[list[int]]]:
+        """(chain, alternatives per depth) of the chosen nodes."""
+        chain_len = sum(1 for c in self.pool if c[2] == 0)
+        alts: list[list[int]] = [[] for _ in range(chain_len)]
+        for _, depth, alt, tok in self.pool:
+            if alt:
+                alts[depth - 1].append(tok)
+        while alts and not alts[-1]:
+            alts.pop()
+        return self.chain[:chain_len], alts
