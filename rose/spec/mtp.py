@@ -35,7 +35,7 @@ from rose.models.llama import (
     rope_cos_sin,
     rope_inv_freq,
 )
-from rose.packed import can_pack, pack_linears
+from rose.packed import PackedLinear, can_pack, pack_linears
 from rose.sampling import SamplingParams, sample, token_probs
 from rose.spec.tree import DynamicTree
 
@@ -296,6 +296,15 @@ def _for_inference(head: MTPHead, dtype: torch.dtype) -> MTPHead:
     return copy
 
 
+def _draft_lm_head(weight: torch.Tensor) -> nn.Module:
+    """``x @ weight.T`` for the draft-vocabulary rows ``[N, H]``: a `PackedLinear` where
+    oneDNN can pack the weight (faster than ``mm`` for a cold bf16 weight: 359 vs 453 µs for
+    4096 x 576 on one thread), else a plain linear layer."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return PackedLinear(linear, batch_hint=4) if can_pack(weight) else linear
+
+
 class MTPDrafter:
     """Drafts a chain of k tokens per sequence with an `MTPHead`, all sequences batched."""
 
@@ -316,6 +325,8 @@ class MTPDrafter:
         self.cache = self.head.new_cache(allocator.num_pages, page_size)
         # the LM head rows the head drafts among, sliced once ([N, H])
         self.lm_weight = head.lm_weight(target.output.weight.detach()).to(self.dtype)
+        # the product with those rows, packed for oneDNN where it can be (rose.packed)
+        self.lm_head: nn.Module = _draft_lm_head(self.lm_weight)
 
     def new_table(self) -> BlockTable:
         return BlockTable(self.allocator, self.page_size)
@@ -374,7 +385,7 @@ class MTPDrafter:
             if out.shape[0] != len(live):
                 out = out[meta.last_index]  # [B, H]
             # [B, N] over the draft vocabulary (the product in the weights' dtype)
-            logits = (out.to(self.dtype) @ self.lm_weight.T).float()
+            logits = self.lm_head(out.to(self.dtype)).float()
             width = nodes or (widths[step] if step < len(widths) else 1)
             probs: list[list[float]] = []
             if width > 1:  # [B, width] target ids, best first, one sync
