@@ -287,14 +287,13 @@ class GenerationEngine:
                 n_acc, nxt = int(res.num_accepted[0]), int(res.next_token[0])
             off += n
             pending = fed - len(d)
-            rows = list(range(pending + n_acc))  # fed rows whose K/V and features are kept
+            alternative = False  # the kept path ends in a tree's alternative, off the chain
             if tree is not None:
-                alternative = bool(path) and path[-1] != n_acc - 1  # kept path leaves the chain
+                alternative = bool(path) and path[-1] != n_acc - 1
                 self.stats.record(len(tree.chain), n_acc, alternative=alternative)
                 new = [d[j] for j in path] + [nxt]
-                rows = list(range(pending)) + [pending + j for j in path]
                 if alternative:  # move the alternative's K/V next to the kept chain
-                    at, to = cached + rows[-1], cached + pending + n_acc - 1
+                    at, to = cached + pending + path[-1], cached + pending + n_acc - 1
                     src, dst = s.table.slots(at, at + 1), s.table.slots(to, to + 1)
                     self.cache.k[:, dst] = self.cache.k[:, src]
                     self.cache.v[:, dst] = self.cache.v[:, src]
@@ -316,10 +315,11 @@ class GenerationEngine:
             if self.mtp is not None and s.draft_table is not None and fwd.all_hidden is not None:
                 # head cache: only pairs built from target features stay (refilled below)
                 ModelDrafter.rollback(s.draft_table, len(s.tokens) - 1)
-                if rows[-1] == valid - 1:  # positions cached .. in feed order
+                if alternative:  # pending rows, then the kept path's rows
+                    kept = [*range(pending), *(pending + j for j in path)]
+                    new_feats = fwd.all_hidden[[starts[i] + r for r in kept]]
+                else:  # positions cached .. in feed order
                     new_feats = fwd.all_hidden[starts[i] : starts[i] + valid]
-                else:  # the kept path ends in an alternative
-                    new_feats = fwd.all_hidden[[starts[i] + r for r in rows]]
                 s.features = new_feats if s.features is None else torch.cat([s.features, new_feats])
             self._emit(s, new)
             outputs.append(StepOutput(s.seq_id, s.new_ids, s.finish_reason))

@@ -233,3 +233,8 @@ def test_dynamic_trees_are_lossless_and_keep_alternatives(
     assert [r.output_ids for r in eng.generate(prompts, GREEDY)] == base
     assert eng.stats.alternatives > 0 and eng.stats.accepted > 0, eng.stats.as_dict()
     assert eng.allocator.num_free == eng.config.kv.num_pages
+    # one node: the head's single likeliest token, a chain of one
+    spec = SpecConfig(method="mtp", num_draft_tokens=4, tree_nodes=1)
+    one = GenerationEngine(target, GenerationConfig(max_batch=8, spec=spec), mtp_head=head)
+    assert [r.output_ids for r in one.generate(prompts, GREEDY)] == base
+    assert one.stats.drafted == one.stats.steps > 0 and one.stats.alternatives == 0

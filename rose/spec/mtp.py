@@ -323,10 +323,10 @@ class MTPDrafter:
         self.allocator = allocator
         self.page_size = page_size
         self.cache = self.head.new_cache(allocator.num_pages, page_size)
-        # the LM head rows the head drafts among, sliced once ([N, H])
-        self.lm_weight = head.lm_weight(target.output.weight.detach()).to(self.dtype)
-        # the product with those rows, packed for oneDNN where it can be (rose.packed)
-        self.lm_head: nn.Module = _draft_lm_head(self.lm_weight)
+        # the product with the LM head rows the head drafts among ([N, H], sliced once),
+        # packed for oneDNN where it can be (rose.packed)
+        rows = head.lm_weight(target.output.weight.detach()).to(self.dtype)
+        self.lm_head: nn.Module = _draft_lm_head(rows)
 
     def new_table(self) -> BlockTable:
         return BlockTable(self.allocator, self.page_size)
@@ -388,7 +388,7 @@ class MTPDrafter:
             logits = self.lm_head(out.to(self.dtype)).float()
             width = nodes or (widths[step] if step < len(widths) else 1)
             probs: list[list[float]] = []
-            if width > 1:  # [B, width] target ids, best first, one sync
+            if width > 1 or nodes:  # [B, width] target ids, best first, one sync
                 top = (torch.softmax(logits, -1) if nodes else logits).topk(width, dim=-1)
                 ranked = draft_vocab[top.indices].tolist()
                 probs = top.values.tolist() if nodes else []

@@ -115,18 +115,22 @@ def tree_metadata(
         root = cached + pending  # first node's cache index
         depth = torch.tensor(tree.depths, dtype=positions.dtype, device=positions.device)
         positions[cu[b] + pending : cu[b] + pending + n] = root - 1 + depth
-        # ancestor-or-self matrix [n, n]: follow parent links (depth <= k steps)
-        anc = torch.eye(n, dtype=torch.bool)
-        parents = tree.parents
-        for j in range(n):
-            p = parents[j]
-            while p >= 0:
-                anc[j, p] = True
-                p = parents[p]
         rows = mask[b, 0, pending : pending + n]
         rows[:, root:] = False
-        rows[:, root : root + n] = anc.to(rows.device)
+        rows[:, root : root + n] = torch.tensor(_ancestry(tree.parents), device=rows.device)
     return replace(meta, positions=positions, mask=mask.to(meta.kv_slots.device))
+
+
+def _ancestry(parents: list[int]) -> list[list[bool]]:
+    """Ancestor-or-self matrix ``[n, n]`` of a tree given each node's parent (-1: root)."""
+    n = len(parents)
+    anc = [[i == j for j in range(n)] for i in range(n)]
+    for j in range(n):
+        p = parents[j]
+        while p >= 0:
+            anc[j][p] = True
+            p = parents[p]
+    return anc
 
 
 class DynamicTree:
