@@ -3,8 +3,9 @@ real SmolLM2-135M-Instruct weights (`rose.assets`), real gRPC on loopback.
 
 Oracles: token ids from `rose.generate.GenerationEngine` run in this process on the same
 weights (batch 1, greedy) and from `transformers` greedy `generate`; text from the HF
-`tokenizers` decode of those ids. Two servers start in parallel: a plain one and one with
-n-gram speculation (which is drained with SIGTERM by the last test).
+`tokenizers` decode of those ids. Three servers start in parallel: a plain one, one with
+n-gram speculation (which is drained with SIGTERM by the last test) and one drafting MTP
+draft trees (`--spec-tree`) with an untrained head, which must change nothing.
 """
 
 from __future__ import annotations
@@ -73,9 +74,18 @@ def decode(tok: tokenizers.Tokenizer, ids: list[int]) -> str:
 @pytest.fixture(scope="module")
 def servers(
     smol_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[TulipProcess, TulipProcess]]:
-    """(plain, ngram) servers, started together so their model loads overlap."""
+) -> Iterator[tuple[TulipProcess, TulipProcess, TulipProcess]]:
+    """(plain, ngram, mtp-tree) servers, started together so their model loads overlap."""
+    import torch
+
+    from rose.models.llama import LlamaConfig
+    from rose.spec.mtp import MTPHead, MTPHeadConfig
+
     logs = tmp_path_factory.mktemp("tulip-generate")
+    head_dir = tmp_path_factory.mktemp("mtp-head")
+    torch.manual_seed(0)
+    cfg = LlamaConfig.from_file(smol_dir / "config.json")
+    MTPHead(MTPHeadConfig.for_target(cfg, draft_vocab_size=256)).save(head_dir)
     common = [
         *("--model", str(smol_dir), "--kv-pages", str(KV_PAGES), "--max-running-seqs", "8"),
         *("--threads", "1"),  # two servers and the test share the CPU cores
@@ -85,16 +95,26 @@ def servers(
         [*common, "--spec", "ngram", "--spec-draft-tokens", "4", "--drain-seconds", "60"],
         log_path=logs / "ngram.log",
     )
-    with plain, ngram:
+    tree = TulipProcess(
+        [
+            *common,
+            *("--spec", "mtp", "--mtp-head", str(head_dir)),
+            *("--spec-draft-tokens", "2", "--spec-tree", "3,2"),
+        ],
+        log_path=logs / "mtp-tree.log",
+    )
+    with plain, ngram, tree:
         plain.wait_serving()
         ngram.wait_serving()
-        yield plain, ngram
+        tree.wait_serving()
+        yield plain, ngram, tree
         assert plain.stop() == 0, plain.log_tail()
         assert ngram.stop() == 0, ngram.log_tail()
+        assert tree.stop() == 0, tree.log_tail()
 
 
 @pytest.fixture(scope="module")
-def server(servers: tuple[TulipProcess, TulipProcess]) -> TulipProcess:
+def server(servers: tuple[TulipProcess, TulipProcess, TulipProcess]) -> TulipProcess:
     return servers[0]
 
 
@@ -564,8 +584,32 @@ def test_invalid_requests_are_refused_and_the_server_keeps_serving(
 # -- the n-gram speculation server (drained at the end) ---------------------------------
 
 
+def test_mtp_draft_trees_give_identical_greedy_output(
+    servers: tuple[TulipProcess, TulipProcess, TulipProcess],
+    tok: tokenizers.Tokenizer,
+    reference: dict[str, tuple[list[int], str]],
+) -> None:
+    """--spec mtp --spec-tree 3,2 wired through Tulip: every greedy step verifies a tree
+    (drafted tokens counted), and the output is the plain engine's."""
+    tree = servers[2]
+    questions = [QUESTIONS[0], QUESTIONS[2]]
+
+    async def main() -> list[list[pb.GenerateResponse]]:
+        async with TulipClient(tree.target) as client:
+            return await asyncio.gather(*(collect(client, chat(q, tok)) for q in questions))
+
+    results = asyncio.run(main())
+    for question, responses in zip(questions, results, strict=True):
+        assert ids_of(responses) == reference[question][0], question
+    m = tree.metrics()
+    steps = sample(m, "tulip_spec_verify_steps_total", method="mtp")
+    drafted = sample(m, "tulip_spec_drafted_tokens_total", method="mtp")
+    # the chain: 2 drafts per verified tree (1 when max_tokens leaves room for one)
+    assert 0 < steps <= drafted <= 2 * steps
+
+
 def test_ngram_speculation_gives_identical_greedy_output(
-    servers: tuple[TulipProcess, TulipProcess],
+    servers: tuple[TulipProcess, TulipProcess, TulipProcess],
     tok: tokenizers.Tokenizer,
     reference: dict[str, tuple[list[int], str]],
 ) -> None:
@@ -588,7 +632,7 @@ def test_ngram_speculation_gives_identical_greedy_output(
 
 
 def test_sigterm_lets_running_streams_finish_and_refuses_new_ones(
-    servers: tuple[TulipProcess, TulipProcess], tok: tokenizers.Tokenizer
+    servers: tuple[TulipProcess, TulipProcess, TulipProcess], tok: tokenizers.Tokenizer
 ) -> None:
     ngram = servers[1]
     prompt = chat(QUESTIONS[2], tok)
