@@ -122,7 +122,7 @@ def baseline(model: LlamaForCausalLM, prompts: list[list[int]]) -> list[list[int
     return [r.output_ids for r in eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "mtp"])
+@pytest.mark.parametrize("method", ["ngram", "draft", "mtp", "mtp-tree"])
 def test_speculative_greedy_identical_on_50_prompts(
     model: LlamaForCausalLM,
     tokenizer: transformers.PreTrainedTokenizerBase,
@@ -133,10 +133,14 @@ def test_speculative_greedy_identical_on_50_prompts(
     assert "Paris" in tokenizer.decode(baseline[0])  # the model really answers
     drafter = truncated_drafter(model, 8) if method == "draft" else None
     head = None
-    if method == "mtp":  # an untrained head: proves the path is lossless, not that it is fast
+    if method == "mtp-tree":  # draft trees (rose.spec.tree) in a padded batch of 50
+        spec = SpecConfig(method="mtp", num_draft_tokens=2, tree_widths=(3, 2))
+    else:
+        spec = SpecConfig(method=method, num_draft_tokens=4)
+    if method.startswith("mtp"):  # an untrained head: proves the path is lossless, not fast
         torch.manual_seed(0)
         head = MTPHead(MTPHeadConfig.for_target(model.config)).eval()
-    cfg = GenerationConfig(max_batch=50, spec=SpecConfig(method=method, num_draft_tokens=4))
+    cfg = GenerationConfig(max_batch=50, spec=spec)
     eng = GenerationEngine(
         model, cfg, drafter=drafter, mtp_head=head, eos_ids=model.config.eos_token_ids
     )
@@ -144,5 +148,5 @@ def test_speculative_greedy_identical_on_50_prompts(
     mismatches = [i for i, (a, b) in enumerate(zip(got, baseline, strict=True)) if a != b]
     assert mismatches == [], f"prompts whose speculative output differs: {mismatches}"
     assert eng.stats.drafted > 0
-    if method != "mtp":
+    if not method.startswith("mtp"):
         assert eng.stats.accepted > 0
