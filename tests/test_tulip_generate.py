@@ -145,6 +145,16 @@ async def collect(
     return [r async for r in client.generate(prompt, sampling, timeout=120)]
 
 
+def collect_all(server: TulipProcess, prompts: list[list[int]]) -> list[list[pb.GenerateResponse]]:
+    """Every prompt's greedy stream from ``server``, all requests in flight at once."""
+
+    async def main() -> list[list[pb.GenerateResponse]]:
+        async with TulipClient(server.target) as client:
+            return await asyncio.gather(*(collect(client, p) for p in prompts))
+
+    return asyncio.run(main())
+
+
 def ids_of(responses: list[pb.GenerateResponse]) -> list[int]:
     return [t for r in responses for t in r.token_ids]
 
@@ -485,13 +495,8 @@ def test_concurrent_streams_each_get_their_own_output(
     server: TulipProcess, tok: tokenizers.Tokenizer, reference: dict[str, tuple[list[int], str]]
 ) -> None:
     questions = [*QUESTIONS, QUOTE]
-
-    async def main() -> list[list[pb.GenerateResponse]]:
-        async with TulipClient(server.target) as client:
-            return await asyncio.gather(*(collect(client, chat(q, tok)) for q in questions))
-
     before = server.metrics()
-    results = asyncio.run(main())
+    results = collect_all(server, [chat(q, tok) for q in questions])
     for question, responses in zip(questions, results, strict=True):
         assert ids_of(responses) == reference[question][0], question
         assert text_of(responses) == decode(tok, reference[question][0])
@@ -593,12 +598,7 @@ def test_mtp_draft_trees_give_identical_greedy_output(
     (drafted tokens counted), and the output is the plain engine's."""
     tree = servers[2]
     questions = [QUESTIONS[0], QUESTIONS[2]]
-
-    async def main() -> list[list[pb.GenerateResponse]]:
-        async with TulipClient(tree.target) as client:
-            return await asyncio.gather(*(collect(client, chat(q, tok)) for q in questions))
-
-    results = asyncio.run(main())
+    results = collect_all(tree, [chat(q, tok) for q in questions])
     for question, responses in zip(questions, results, strict=True):
         assert ids_of(responses) == reference[question][0], question
     m = tree.metrics()
@@ -615,12 +615,7 @@ def test_ngram_speculation_gives_identical_greedy_output(
 ) -> None:
     ngram = servers[1]
     questions = [QUOTE, QUESTIONS[0]]
-
-    async def main() -> list[list[pb.GenerateResponse]]:
-        async with TulipClient(ngram.target) as client:
-            return await asyncio.gather(*(collect(client, chat(q, tok)) for q in questions))
-
-    results = asyncio.run(main())
+    results = collect_all(ngram, [chat(q, tok) for q in questions])
     for question, responses in zip(questions, results, strict=True):
         assert ids_of(responses) == reference[question][0], question
         assert text_of(responses) == decode(tok, reference[question][0])
