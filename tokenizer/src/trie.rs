@@ -74,12 +74,13 @@ pub(crate) struct Node {
     /// Low 31 bits: offset of this node's children (the child for code `c` is at
     /// `base + c`); bit 31 ([`TERMINAL`]): this node ends a piece.
     pub(crate) base: u32,
-    /// Score of the piece ending here rounded to `f32` (0 when not terminal; unused in
-    /// the [`Scores::Side`] form).
+    /// Score of the piece ending here rounded to `f32` (`-inf` when not terminal; unused
+    /// in the [`Scores::Side`] form).
     pub(crate) score: f32,
     /// Packed form: bits 8–31 the id of the piece ending here, bits 0–7 (as `i8`) the
     /// distance `k` from `score as f64` to the exact score in `f64` bit patterns.
-    /// [`Scores::Side`] form: the whole id. 0 when not terminal.
+    /// [`Scores::Side`] form: the whole id. When not terminal: 0 in the packed form, the
+    /// index of the side array's last entry (`-inf`) in the other.
     pub(crate) tag: u32,
 }
 
@@ -92,7 +93,7 @@ impl Node {
 
     /// The exact score of the piece ending here, in the packed form.
     #[inline(always)]
-    fn packed_score(&self) -> f64 {
+    pub(crate) fn packed_score(&self) -> f64 {
         let k = self.tag as u8 as i8 as i64;
         f64::from_bits((self.score as f64).to_bits().wrapping_add(k as u64))
     }
@@ -127,12 +128,12 @@ pub(crate) enum Scores<'a> {
     /// Score and id packed in the node (every score of the vocabulary fits).
     Packed,
     /// `tag` is the id; exact scores by id in this slice (construction sizes it past
-    /// every id).
+    /// every id, plus a last `-inf` entry that the non-terminal nodes' `tag` points at).
     Side(&'a [f64]),
 }
 
 impl Scores<'_> {
-    /// Exact score of the piece ending at terminal node `t`.
+    /// Exact score of the piece ending at node `t`; `-inf` when `t` ends no piece.
     #[inline(always)]
     pub(crate) fn score(self, t: &Node) -> f64 {
         match self {
@@ -142,7 +143,7 @@ impl Scores<'_> {
         }
     }
 
-    /// Id of the piece ending at terminal node `t`.
+    /// Id of the piece ending at terminal node `t` (meaningless for other nodes).
     #[inline(always)]
     pub(crate) fn id(self, t: &Node) -> u32 {
         match self {
@@ -302,14 +303,22 @@ impl Trie {
                 stack.push((base + c as usize, depth + 1, l, h));
             }
         }
+        // Every node that ends no piece scores `-inf` (`score` in the packed form, a last
+        // side entry in the other), so the lattice adds any node's score without testing
+        // whether it ends a piece.
         let side = (!packed).then(|| {
             let len = keys.iter().map(|k| k.1 as usize + 1).max().unwrap_or(0);
-            let mut side = vec![0.0; len];
+            let mut side = vec![0.0; len + 1];
             for k in &keys {
                 side[k.1 as usize] = k.2;
             }
+            side[len] = f64::NEG_INFINITY;
             side.into_boxed_slice()
         });
+        for n in nodes.iter_mut().filter(|n| !n.is_terminal()) {
+            n.score = f32::NEG_INFINITY;
+            n.tag = side.as_ref().map_or(0, |s| s.len() as u32 - 1);
+        }
         let trie = Self {
             nodes: PageBuf::from_slice(&nodes),
             side,
@@ -600,6 +609,8 @@ mod tests {
         ];
         let trie = exact(&pieces);
         assert!(matches!(trie.scores(), Scores::Packed));
+        // The root ends no piece.
+        assert_eq!(trie.scores().score(&trie.nodes()[0]), f64::NEG_INFINITY);
     }
 
     #[test]
@@ -612,7 +623,11 @@ mod tests {
                 ("a", 3, -2.0),
             ];
             let trie = exact(&pieces);
-            assert!(matches!(trie.scores(), Scores::Side(s) if s.len() == 4));
+            // Ids 0..=3, then the `-inf` that nodes ending no piece point at.
+            assert!(matches!(trie.scores(), Scores::Side(s)
+                if s.len() == 5 && s[4] == f64::NEG_INFINITY));
+            // The root ends no piece.
+            assert_eq!(trie.scores().score(&trie.nodes()[0]), f64::NEG_INFINITY);
         }
     }
 
