@@ -61,6 +61,22 @@ def test_single_row_copy_serves_one_row_and_packed_serves_the_rest(bias: bool) -
     )
 
 
+def test_two_rows_run_padded_to_min_rows_and_come_back_alone(monkeypatch) -> None:
+    lin = _linear(96, 160, True)
+    packed = PackedLinear(lin, batch_hint=4, activation="gelu", min_rows=4)
+    seen: list[tuple[int, ...]] = []
+    real = packed._packed_product
+    monkeypatch.setattr(packed, "_packed_product", lambda x: seen.append(x.shape) or real(x))
+    for rows in (2, 3, 5):
+        seen.clear()
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        got = packed(x)
+        # only two rows are padded (to 4); the padding's rows (gelu(bias)) are dropped
+        assert seen == [(4 if rows == 2 else rows, 96)] and got.shape == (rows, 160)
+        want = F.gelu(F.linear(x, lin.weight, lin.bias))
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_bf16_weights_under_fp32_activations(rows: int) -> None:
     lin = _linear(96, 200, True).to(torch.bfloat16)
@@ -130,6 +146,7 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_head_dense() -> None:
     assert model.output.weight is model.tok_embeddings.weight  # tied: no second dense copy
     assert model.layers[0].mlp.w_up._dense is None  # untied: no dense [out, in] copy
     assert model.layers[0].mlp.w_up._single_row is not None  # decoding's one-row copy
+    assert model.layers[0].mlp.w_up.min_rows == 4  # two-row passes run as four
 
 
 @pytest.fixture(scope="module")
