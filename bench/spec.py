@@ -450,8 +450,9 @@ def _write(
         "One target pass over n new tokens after 200 cached ones (the verification of n - 1 "
         "drafts), median of 5, ms. One-row passes run MKL on a W.T copy of each weight, "
         "passes over several rows oneDNN's kernels on weights packed once (rose/packed.py), "
-        "so 3-5 tokens cost about one plain step; oneDNN is slowest at 2 rows, and 2-3 logit "
-        "rows are padded to 4 (included here).",
+        "so 2-6 tokens cost about one plain step; oneDNN streams weights slowest at 2 rows, "
+        "so two-row products are padded to 4 rows in every layer and 2-3 logit rows to 4 "
+        "(included here).",
         "",
         "| tokens | " + " | ".join(str(n) for n in costs) + " |",
         "|---|" + "---|" * len(costs),
