@@ -36,6 +36,12 @@ class PagedKVCache:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V as pages: ``[num_pages, page_size, kv_heads, head_dim]``
+        views each (FlashInfer's "NHD" paged layout)."""
+        shape = (self.num_pages, self.page_size, *self.k.shape[2:])
+        return self.k[layer].view(shape), self.v[layer].view(shape)
+
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V at ``slots`` (any shape ``S``) → ``[*S, kv_heads, head_dim]`` each."""
         return self.k[layer][slots], self.v[layer][slots]

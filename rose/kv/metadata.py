@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,6 +30,13 @@ class AttentionMetadata:
         sees every key (single-token decode of equal lengths).
     last_index: ``[B]`` index into ``[T]`` of each sequence's last new token.
     cu_seqlens: ``[B + 1]`` offsets of each sequence's new tokens in ``[T]``.
+    kv_lens: ``[B]`` keys of each sequence (cached + new).
+    causal: True when ``mask`` is the plain causal mask (query i of sequence b sees keys up
+        to ``kv_lens[b] - q_len + i``); False when something else was put there (draft
+        trees, `rose.spec.tree.tree_metadata`).
+    kernel: a paged-attention kernel planned for this pass (`rose.attention.paged`), which
+        the attention layers then call on the cache's pages; None: SDPA over K/V gathered
+        through ``kv_slots``.
     """
 
     positions: torch.Tensor
@@ -39,6 +47,9 @@ class AttentionMetadata:
     mask: torch.Tensor | None
     last_index: torch.Tensor
     cu_seqlens: torch.Tensor
+    kv_lens: torch.Tensor
+    causal: bool = True
+    kernel: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +113,7 @@ class AttentionMetadata:
             mask=None if mask is None else mask.to(device),
             last_index=(cu[1:] - 1).to(device),
             cu_seqlens=cu.to(device),
+            kv_lens=torch.tensor(kv_lens, device=device),
         )
 
     @staticmethod
@@ -127,4 +139,5 @@ class AttentionMetadata:
             mask=None if mask is None else mask.to(device),
             last_index=torch.tensor([new - 1], device=device),
             cu_seqlens=torch.tensor([0, new], device=device),
+            kv_lens=torch.tensor([total], device=device),
         )

@@ -18,9 +18,10 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from rose.attention.paged import PagedKernel, paged_kernel_for
 from rose.kv.cache import PagedKVCache
 from rose.kv.metadata import AttentionMetadata
 from rose.packed import pack_linears
@@ -45,6 +47,8 @@ __all__ = [
 ]
 
 _SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+log = logging.getLogger("rose.models.llama")
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer, meta.slot_mapping, k, v)
+        if meta.kernel is not None:  # a paged kernel reads the pages in place
+            out = meta.kernel.run(q, *cache.pages(self.layer))  # [T, Hq, D]
+            return self.wo(out.reshape(t, self.n_heads * self.head_dim))  # [T, H]
 
         keys, values = cache.gather(self.layer, meta.kv_slots)  # [B, Lk, Hkv, D]
         queries = q[meta.q_index]  # [B, Lq, Hq, D]
@@ -322,6 +329,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self._inv_freq: torch.Tensor | None = None
+        # Plans each pass of a paged-attention kernel (`rose.attention.paged`; FlashInfer on
+        # CUDA, set by `from_pretrained`); None: SDPA over gathered K/V.
+        self.paged_kernel: PagedKernel | None = None
 
     def new_cache(
         self, num_pages: int, page_size: int, device: torch.device | str | None = None
@@ -359,6 +369,8 @@ class LlamaForCausalLM(nn.Module):
         below ``num_hidden_layers``) keeps those decoder layers' outputs instead, in that
         order, side by side (``[T, len * H]``; the residual stream, before any norm)."""
         layers = _feature_layers(return_all_hidden, len(self.layers))
+        if self.paged_kernel is not None and meta.kernel is None:
+            meta = replace(meta, kernel=self.paged_kernel.plan(meta, cache.page_size))
         cos, sin = self._rope(meta.positions)
         x = self.tok_embeddings(input_ids)  # [T, H]
         kept: list[torch.Tensor] = []
@@ -409,6 +421,15 @@ class LlamaForCausalLM(nn.Module):
         model = model.eval().requires_grad_(False)
         if packed:
             model.pack_weights()
+        model.paged_kernel, why = paged_kernel_for(
+            model.tok_embeddings.weight.device,
+            dtype,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        if why:
+            log.info("decoder attention: SDPA over gathered K/V (%s)", why)
         return model
 
 

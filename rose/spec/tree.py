@@ -118,7 +118,9 @@ def tree_metadata(
         rows = mask[b, 0, pending : pending + n]
         rows[:, root:] = False
         rows[:, root : root + n] = torch.tensor(_ancestry(tree.parents), device=rows.device)
-    return replace(meta, positions=positions, mask=mask.to(meta.kv_slots.device))
+    return replace(
+        meta, positions=positions, mask=mask.to(meta.kv_slots.device), causal=False, kernel=None
+    )
 
 
 def _ancestry(parents: list[int]) -> list[list[bool]]:
