@@ -10,10 +10,15 @@ same ragged batches through
     sdpa+cg         SDPA (block-diagonal) with CUDA graphs
 
 in bf16, checks every row against the reference (cosine >= 0.999) and prints step() latency
-p50/p99 per configuration. Without CUDA it says so and exits 0 after checking that the GPU
-code paths import cleanly.
+p50/p99 per configuration. Then the decoder (SmolLM2-135M-Instruct from the model cache, bf16):
+greedy chat answers with attention through SDPA over gathered K/V against FlashInfer's paged
+kernel (`rose.attention.paged`), plain and with MTP speculation when a trained head is in the
+cache, reporting tokens/s and how many answers the two attention paths agree on token for
+token (bf16 sums in another order may flip a near-tie, so agreement is reported, and a
+prefix of at least 16 tokens is required). Without CUDA it says so and exits 0 after
+checking that the GPU code paths import cleanly.
 
-    python -m bench gpu_check [--model-dir=DIR] [--iters=N]
+    python -m bench gpu_check [--model-dir=DIR] [--iters=N] [--skip-decoder]
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench gpu_check")
     parser.add_argument("--model-dir", default=None)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--skip-decoder", action="store_true")
     args = parser.parse_args(argv)
 
     import torch
@@ -147,5 +153,83 @@ def main(argv: list[str]) -> int:
                 times.append((time.perf_counter() - start) * 1e3)
             row += f"{statistics.median(times):>13.3f} / {np.percentile(times, 99):6.3f}"
         print(row)
+    if not args.skip_decoder:
+        failures += _decoder_check()
     print("\nresult:", "all checks passed" if not failures else f"{failures} check(s) FAILED")
     return 1 if failures else 0
+
+
+DECODER_TOKENS = 64
+MIN_AGREED_PREFIX = 16
+
+
+def _decoder_check(device: str = "cuda", dtype_name: str = "bfloat16", limit: int = 0) -> int:
+    """Greedy answers with SDPA vs FlashInfer paged attention (plain and MTP); failures.
+    (``device``, ``dtype_name``, ``limit``: for a dry run of this check on other hardware.)"""
+    import torch
+    import transformers
+
+    from bench.spec import CHAT, _engine, _one
+    from rose.assets import model_dir
+    from rose.models.llama import LlamaForCausalLM
+    from rose.spec.mtp import MTPHead
+    from rose.spec.train_mtp import default_head_dir
+
+    path = model_dir("smollm2-135m-instruct")
+    if not (path / "config.json").exists():
+        print("\ndecoder: smollm2-135m-instruct not in the model cache; skipped")
+        return 0
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    prompts = []
+    for question, _ in CHAT[: limit or None]:
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True
+        )
+        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    dtype = getattr(torch, dtype_name)
+    paged = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+    gathered = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)
+    gathered.paged_kernel = None
+    print(f"\ndecoder: paged kernel {type(paged.paged_kernel).__name__}")
+    head_dir = default_head_dir("smollm2-135m-instruct")
+    head = None
+    if (head_dir / "model.safetensors").is_file():
+        head = MTPHead.load(head_dir).to(device)
+    methods = {"none": {"method": "none"}}
+    if head is not None:
+        methods["mtp k=3"] = {"method": "mtp", "num_draft_tokens": 3}
+        methods["mtp tree 3,2"] = {"method": "mtp", "num_draft_tokens": 2, "tree_widths": (3, 2)}
+    failures = 0
+    for name, spec in methods.items():
+        outs, rates = {}, {}
+        for label, model in (("sdpa", gathered), ("paged", paged)):
+            eng = _engine(model, None, head, spec)
+            _one(eng, prompts[0], 8)  # warm-up
+            secs, tokens, answers = 0.0, 0, []
+            for p in prompts:
+                dt, _, out = _one(eng, p, DECODER_TOKENS)
+                secs += dt
+                tokens += max(0, len(out) - 1)
+                answers.append(out)
+            outs[label], rates[label] = answers, tokens / secs
+        same = sum(a == b for a, b in zip(outs["sdpa"], outs["paged"], strict=True))
+        pairs = list(zip(outs["sdpa"], outs["paged"], strict=True))
+        prefix = min(_common_prefix(a, b) for a, b in pairs)
+        # every pair agrees for MIN_AGREED_PREFIX tokens, or up to the shorter one's end
+        ok = all(_common_prefix(a, b) >= min(MIN_AGREED_PREFIX, len(a), len(b)) for a, b in pairs)
+        failures += not ok
+        print(
+            f"decoder {name:13s} sdpa {rates['sdpa']:7.1f} tok/s  paged {rates['paged']:7.1f} tok/s"
+            f"  identical answers {same}/{len(prompts)}, shortest common prefix {prefix}"
+            f" {'ok' if ok else 'FAIL'}"
+        )
+    return failures
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
