@@ -7,6 +7,11 @@ use crate::normalizer::{normalize, Align, NormBuffers, Step};
 use crate::unigram::{Unigram, ViterbiScratch};
 use crate::PageKind;
 
+/// The Viterbi scratch is sized for pieces as long as the pre-tokenized text, up to this
+/// many bytes (~150 KiB of lattice), before the first piece: so a later text no longer than
+/// one already seen never allocates because one of its words is longer than any before.
+const VITERBI_RESERVE: usize = 4096;
+
 /// A loaded tokenizer: immutable, shared freely across threads.
 ///
 /// All per-call working memory lives in a [`Scratch`] the caller owns and reuses, so
@@ -559,6 +564,7 @@ impl Tokenizer {
         } else {
             self.word(text, align, track, pre, pre_align, pieces);
         }
+        viterbi.reserve(pre.len().min(VITERBI_RESERVE));
         for &(ps, pe) in pieces.iter() {
             if sink.full() {
                 break;

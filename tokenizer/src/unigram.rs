@@ -47,6 +47,19 @@ pub struct ViterbiScratch {
     chars: Vec<(u32, u32)>,
 }
 
+impl ViterbiScratch {
+    /// Makes room for pieces of up to `chars` characters, so that no piece that long
+    /// allocates.
+    pub(crate) fn reserve(&mut self, chars: usize) {
+        // `Vec::reserve` counts from the length, which is the last piece's.
+        self.cells
+            .reserve((chars + 1).saturating_sub(self.cells.len()));
+        self.chars
+            .reserve((chars + 1).saturating_sub(self.chars.len()));
+        self.path.reserve(chars.saturating_sub(self.path.len()));
+    }
+}
+
 impl Unigram {
     /// Builds the model from `(piece, score)` in id order.
     pub fn new(vocab: &[(String, f64)], unk_id: u32) -> Self {

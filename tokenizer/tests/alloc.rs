@@ -137,3 +137,26 @@ fn in_place_normalizer_steps_settle() {
     });
     assert_eq!(n, 0, "{n} allocations over 32 steady-state calls");
 }
+
+/// A text no longer than one the scratch has already seen allocates nothing, even when one
+/// of its words is longer than every word before (the unseen-text benchmark found this: the
+/// Viterbi buffers used to grow with the longest word, not the longest text).
+#[test]
+fn unseen_text_with_a_longer_word_allocates_nothing() {
+    let tok = Tokenizer::from_file(&common::xlmr_file("tokenizer.json")).unwrap();
+    let mut scratch = Scratch::new();
+    let mut out = Vec::new();
+    let short_words = "ab cd ef ".repeat(300); // 2,700 bytes, words of 2 letters
+    tok.encode_into(&short_words, true, None, &mut scratch, &mut out)
+        .unwrap();
+    let long_word = format!("{} {}", "internationalization".repeat(60), "ok ".repeat(50));
+    assert!(long_word.len() < short_words.len());
+    let n = count_allocations(|| {
+        tok.encode_into(&long_word, true, None, &mut scratch, &mut out)
+            .unwrap()
+    });
+    assert_eq!(
+        n, 0,
+        "{n} allocations for an unseen text with a 1,200-letter word"
+    );
+}
