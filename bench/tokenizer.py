@@ -132,14 +132,20 @@ def _rounds(cfg: BenchConfig, texts: int) -> int:
     return max(cfg.rounds, -(-MIN_SAMPLES // texts))
 
 
-def _time(fn: Callable[[str], object], texts: list[str], rounds: int) -> tuple[float, float, float]:
-    """Wall-clock p50 and p99 and thread-CPU p50 per call, in microseconds.
+def _time(
+    fn: Callable[[str], object],
+    texts: list[str],
+    rounds: int,
+    warm_up: list[str] | None = None,
+) -> tuple[float, float, float]:
+    """Wall-clock p50 and p99 and thread-CPU p50 per call, in microseconds, over ``rounds``
+    rounds of ``texts`` after encoding ``warm_up`` (default: the first three texts).
 
     The CPU time (`time.thread_time_ns`) leaves out time spent preempted: on a shared
     machine a call of several milliseconds is almost always preempted, so its wall time
     grows faster than its work.
     """
-    for t in texts[:3]:
+    for t in texts[:3] if warm_up is None else warm_up:
         fn(t)
     samples, cpu = [], []
     for _ in range(rounds):
@@ -295,7 +301,7 @@ def run(argv: list[str]) -> int:  # noqa: C901 - a linear script
     }
     for chunk in chunks:
         for name, fn in encoders.items():
-            unseen.setdefault(name, []).append(_time_once(fn, warm_up, chunk))
+            unseen.setdefault(name, []).append(_time(fn, chunk, 1, warm_up))
     unseen_rows = {
         name: tuple(statistics.median(p[i] for p in passes) for i in range(3))
         for name, passes in unseen.items()
@@ -319,24 +325,6 @@ def run(argv: list[str]) -> int:  # noqa: C901 - a linear script
         unseen_rows,
     )
     return 0
-
-
-def _time_once(
-    fn: Callable[[str], object], warm_up: list[str], texts: list[str]
-) -> tuple[float, float, float]:
-    """Wall-clock p50 and p99 and thread-CPU p50 in microseconds, every text encoded once
-    after encoding all of ``warm_up``."""
-    for t in warm_up:
-        fn(t)
-    samples, cpu = [], []
-    for t in texts:
-        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
-        fn(t)
-        samples.append((time.perf_counter_ns() - t0) / 1000)
-        cpu.append((time.thread_time_ns() - c0) / 1000)
-    samples.sort()
-    p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
-    return statistics.median(samples), p99, statistics.median(cpu)
 
 
 def _wall(fn: Callable[[], object]) -> float:
