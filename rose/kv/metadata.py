@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from rose.kv.block_table import BlockTable
+
+if TYPE_CHECKING:
+    from rose.attention.paged import PagedPlan
 
 __all__ = ["AttentionMetadata"]
 
@@ -49,7 +52,7 @@ class AttentionMetadata:
     cu_seqlens: torch.Tensor
     kv_lens: torch.Tensor
     causal: bool = True
-    kernel: Any = None
+    kernel: PagedPlan | None = None
 
     @property
     def num_tokens(self) -> int:
