@@ -1,4 +1,7 @@
-"""Attention backends behind one interface (`AttentionBackend`) and the choice between them."""
+"""Attention backends behind one interface (`AttentionBackend`) and the choice between them.
+
+These serve the encoders' ragged non-causal passes. The decoders' causal passes over a
+paged KV cache have their own kernel contract in `rose.attention.paged`."""
 
 from __future__ import annotations
 
