@@ -44,15 +44,20 @@ def test_layout_lists_each_sequences_pages_and_last_page_fill(
     lengths = [c + n for c, n in zip(cached, new, strict=True)]
     tables = _tables(lengths, alloc)
     meta = AttentionMetadata.build(list(zip(tables, cached, new, strict=True)))
-    lay = PagedLayout.from_metadata(meta, PAGE)
-    assert lay.qo_indptr.tolist() == [0, *torch.tensor(new).cumsum(0).tolist()]
+    lay = PagedLayout.from_metadata(meta)
+    p = lay.pages
+    assert p.page_size == PAGE
+    assert p.qo_indptr.tolist() == [0, *torch.tensor(new).cumsum(0).tolist()]
     for b, (t, n) in enumerate(zip(tables, lengths, strict=True)):
-        pages = lay.kv_indices[lay.kv_indptr[b] : lay.kv_indptr[b + 1]].tolist()
+        pages = p.kv_indices[p.kv_indptr[b] : p.kv_indptr[b + 1]].tolist()
         assert pages == t.pages[: -(-n // PAGE)]  # the table's own pages, in token order
-        assert lay.kv_last_page_len[b] == n - (len(pages) - 1) * PAGE
-        assert 1 <= lay.kv_last_page_len[b] <= PAGE
+        assert p.kv_last_page_len[b] == n - (len(pages) - 1) * PAGE
+        assert 1 <= p.kv_last_page_len[b] <= PAGE
+    assert p.lengths() == list(zip(new, lengths, strict=True))
     assert lay.custom_mask is None
-    assert all(x.dtype == torch.int32 for x in (lay.qo_indptr, lay.kv_indptr, lay.kv_indices))
+    # host tensors, int32, as FlashInfer's plan() takes them
+    for x in (p.qo_indptr, p.kv_indptr, p.kv_indices, p.kv_last_page_len):
+        assert x.dtype == torch.int32 and x.device.type == "cpu"
 
 
 def _passes(model, kernel, trees: bool) -> list[torch.Tensor]:
@@ -102,7 +107,7 @@ def test_tree_layout_carries_each_sequences_mask() -> None:
     meta = AttentionMetadata.build([(tables[0], 6, 1), (tables[1], 1, 4)])
     tree = DraftTree([5, 6], [[7], []])  # nodes: chain 5, 6 and 7 beside 5
     meta = tree_metadata(meta, [(1, 1, 1, tree)])
-    lay = PagedLayout.from_metadata(meta, PAGE)
+    lay = PagedLayout.from_metadata(meta)
     assert lay.custom_mask is not None and lay.custom_mask.numel() == 1 * 7 + 4 * 5
     second = lay.custom_mask[7:].view(4, 5)
     # key 0 cached, key 1 the pending token, keys 2-4 the nodes 5, 6 (child of 5) and 7

@@ -3,7 +3,8 @@
 The decoder's default path (`rose.models.llama.Attention`) gathers every sequence's keys
 and values through ``AttentionMetadata.kv_slots`` into a padded ``[B, Lk]`` view and runs
 SDPA on it: right on any device, and what the CPU uses. A paged kernel instead reads the
-cache's pages where they lie, given each sequence's page list in CSR form (`PagedLayout`);
+cache's pages where they lie, given each sequence's page list in CSR form (`PageLists`,
+built on the host with the attention metadata, so planning reads nothing back from the GPU);
 on CUDA that is FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper``, which covers prefill,
 decode, verification of draft chains (causal) and of draft trees (a custom mask) alike.
 
@@ -26,7 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from rose.attention.flashinfer import import_flashinfer
-from rose.kv.metadata import AttentionMetadata
+from rose.kv.metadata import AttentionMetadata, PageLists
 
 __all__ = [
     "FlashInferPagedAttention",
@@ -42,48 +43,24 @@ _WORKSPACE_BYTES = 128 * 1024 * 1024
 
 @dataclass(frozen=True)
 class PagedLayout:
-    """One pass's batch over a paged cache, in FlashInfer's CSR form (int32 tensors).
+    """One pass's batch over a paged cache: its page lists (host tensors, `PageLists`; a
+    kernel moves what it needs to its device) and, for passes that are not plainly causal
+    (draft trees), ``custom_mask``: the flattened bool masks ``[q_b, k_b]`` of every
+    sequence, concatenated (on the metadata's device). With no custom mask the mask is
+    causal, aligned bottom-right: new token ``i`` of a sequence with ``q`` new tokens and
+    ``k`` keys sees keys ``0 .. k - q + i``."""
 
-    qo_indptr ``[B + 1]``: sequence ``b``'s new tokens are rows
-        ``qo_indptr[b]:qo_indptr[b + 1]`` of ``q``.
-    kv_indptr ``[B + 1]``: its pages are ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``.
-    kv_indices ``[P]``: page ids, in token order per sequence.
-    kv_last_page_len ``[B]``: tokens in each sequence's last page (1 .. page_size).
-    custom_mask: None for the causal mask, aligned bottom-right (new token ``i`` of a
-        sequence with ``q`` new tokens and ``k`` keys sees keys ``0 .. k - q + i``); else
-        the flattened bool masks ``[q_b, k_b]`` of every sequence, concatenated.
-    """
-
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
+    pages: PageLists
     custom_mask: torch.Tensor | None
 
     @staticmethod
-    def from_metadata(meta: AttentionMetadata, page_size: int) -> PagedLayout:
-        """The layout of ``meta``'s batch. A sequence's pages are read off its key slots:
-        the key at index ``p * page_size`` lies at offset 0 of the ``p``-th page."""
-        kv_lens = meta.kv_lens.tolist()
-        q_lens = (meta.cu_seqlens[1:] - meta.cu_seqlens[:-1]).tolist()
-        pages, masks = [], []
-        for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens, strict=True)):
-            pages.append(meta.kv_slots[b, 0:kv_len:page_size] // page_size)
-            if not meta.causal:
-                assert meta.mask is not None, "a non-causal pass carries its mask"
+    def from_metadata(meta: AttentionMetadata) -> PagedLayout:
+        masks = []
+        if not meta.causal:
+            assert meta.mask is not None, "a non-causal pass carries its mask"
+            for b, (q_len, kv_len) in enumerate(meta.pages.lengths()):
                 masks.append(meta.mask[b, 0, :q_len, :kv_len].reshape(-1))
-        counts = torch.tensor([p.numel() for p in pages])
-        kv_indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
-        kv_indptr[1:] = torch.cumsum(counts, 0)
-        last = torch.tensor([n - (-(-n // page_size) - 1) * page_size for n in kv_lens])
-        device = meta.kv_slots.device
-        return PagedLayout(
-            qo_indptr=meta.cu_seqlens.to(device=device, dtype=torch.int32),
-            kv_indptr=kv_indptr.to(device),
-            kv_indices=torch.cat(pages).to(torch.int32),
-            kv_last_page_len=last.to(device=device, dtype=torch.int32),
-            custom_mask=torch.cat(masks) if masks else None,
-        )
+        return PagedLayout(meta.pages, torch.cat(masks) if masks else None)
 
 
 class PagedPlan(Protocol):
@@ -97,32 +74,29 @@ class PagedPlan(Protocol):
 class PagedKernel(Protocol):
     """Plans a paged-attention kernel for each pass of a decoder."""
 
-    def plan(self, meta: AttentionMetadata, page_size: int) -> PagedPlan: ...
+    def plan(self, meta: AttentionMetadata) -> PagedPlan: ...
 
 
 @dataclass(frozen=True)
 class _ReferencePlan:
     layout: PagedLayout
-    page_size: int
 
     def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
-        lay = self.layout
-        qo, kvp = lay.qo_indptr.tolist(), lay.kv_indptr.tolist()
-        last = lay.kv_last_page_len.tolist()
+        pages = self.layout.pages
+        qo, kvp = pages.qo_indptr.tolist(), pages.kv_indptr.tolist()
         out = torch.empty_like(q)
         mask_at = 0
-        for b in range(len(qo) - 1):
-            pages = lay.kv_indices[kvp[b] : kvp[b + 1]].long()
-            kv_len = (len(pages) - 1) * self.page_size + last[b]
-            k = k_pages[pages].flatten(0, 1)[:kv_len]  # [Lk, Hkv, D]
-            v = v_pages[pages].flatten(0, 1)[:kv_len]
+        for b, (q_len, kv_len) in enumerate(pages.lengths()):
+            ids = pages.kv_indices[kvp[b] : kvp[b + 1]].long().to(q.device)
+            k = k_pages[ids].flatten(0, 1)[:kv_len]  # [Lk, Hkv, D]
+            v = v_pages[ids].flatten(0, 1)[:kv_len]
             qb = q[qo[b] : qo[b + 1]]  # [Lq, Hq, D]
-            q_len = qb.shape[0]
-            if lay.custom_mask is None:
+            if self.layout.custom_mask is None:
                 i = torch.arange(q_len, device=q.device)[:, None]
                 mask = torch.arange(kv_len, device=q.device)[None, :] <= kv_len - q_len + i
             else:
-                mask = lay.custom_mask[mask_at : mask_at + q_len * kv_len].view(q_len, kv_len)
+                flat = self.layout.custom_mask[mask_at : mask_at + q_len * kv_len]
+                mask = flat.view(q_len, kv_len).to(q.device)
                 mask_at += q_len * kv_len
             rep = qb.shape[1] // k.shape[1]  # query heads per K/V head
             scores = torch.einsum(
@@ -139,8 +113,8 @@ class ReferencePagedAttention:
     the definition `FlashInferPagedAttention` must match, and how the CPU tests the layout
     and the decoder's kernel path. Slow; not for serving."""
 
-    def plan(self, meta: AttentionMetadata, page_size: int) -> PagedPlan:
-        return _ReferencePlan(PagedLayout.from_metadata(meta, page_size), page_size)
+    def plan(self, meta: AttentionMetadata) -> PagedPlan:
+        return _ReferencePlan(PagedLayout.from_metadata(meta))
 
 
 @dataclass(frozen=True)
@@ -169,15 +143,16 @@ class FlashInferPagedAttention:
         workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
 
-    def plan(self, meta: AttentionMetadata, page_size: int) -> PagedPlan:
-        lay = PagedLayout.from_metadata(meta, page_size)
+    def plan(self, meta: AttentionMetadata) -> PagedPlan:
+        lay = PagedLayout.from_metadata(meta)
+        pages = lay.pages  # host tensors: plan() reads them there and copies the indices over
         self._wrapper.plan(
-            lay.qo_indptr,
-            lay.kv_indptr,
-            lay.kv_indices,
-            lay.kv_last_page_len,
+            pages.qo_indptr,
+            pages.kv_indptr,
+            pages.kv_indices,
+            pages.kv_last_page_len,
             *self._heads,
-            page_size,
+            pages.page_size,
             causal=lay.custom_mask is None,
             custom_mask=lay.custom_mask,
             q_data_type=self._dtype,

@@ -13,7 +13,53 @@ from rose.kv.block_table import BlockTable
 if TYPE_CHECKING:
     from rose.attention.paged import PagedPlan
 
-__all__ = ["AttentionMetadata"]
+__all__ = ["AttentionMetadata", "PageLists"]
+
+
+@dataclass(frozen=True)
+class PageLists:
+    """One pass's pages in FlashInfer's CSR form, as host tensors (int32), built with the
+    metadata so that a paged kernel is planned without reading anything back from the device.
+
+    qo_indptr ``[B + 1]``: sequence ``b``'s new tokens are rows ``qo_indptr[b]:qo_indptr[b + 1]``.
+    kv_indptr ``[B + 1]``: its pages are ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``.
+    kv_indices ``[P]``: page ids, in token order per sequence.
+    kv_last_page_len ``[B]``: tokens in each sequence's last page (1 .. page_size).
+    """
+
+    page_size: int
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+
+    @staticmethod
+    def of(entries: Sequence[tuple[BlockTable, int, int]]) -> PageLists:
+        """entries: ``(table, num_cached, num_new)`` per sequence, as for `AttentionMetadata`."""
+        page_size = entries[0][0].page_size
+        qo, kv, pages, last = [0], [0], [], []
+        for table, cached, new in entries:
+            if table.page_size != page_size:
+                raise ValueError("every sequence of one pass must use the same page size")
+            total = cached + new
+            n = -(-total // page_size)
+            pages += table.pages[:n]
+            qo.append(qo[-1] + new)
+            kv.append(kv[-1] + n)
+            last.append(total - (n - 1) * page_size)
+        return PageLists(
+            page_size,
+            *(torch.tensor(xs, dtype=torch.int32) for xs in (qo, kv, pages, last)),
+        )
+
+    def lengths(self) -> list[tuple[int, int]]:
+        """``(new tokens, keys)`` of every sequence."""
+        qo, kv = self.qo_indptr.tolist(), self.kv_indptr.tolist()
+        last = self.kv_last_page_len.tolist()
+        return [
+            (qo[b + 1] - qo[b], (kv[b + 1] - kv[b] - 1) * self.page_size + last[b])
+            for b in range(len(last))
+        ]
 
 
 @dataclass(frozen=True)
@@ -33,10 +79,10 @@ class AttentionMetadata:
         sees every key (single-token decode of equal lengths).
     last_index: ``[B]`` index into ``[T]`` of each sequence's last new token.
     cu_seqlens: ``[B + 1]`` offsets of each sequence's new tokens in ``[T]``.
-    kv_lens: ``[B]`` keys of each sequence (cached + new).
-    causal: True when ``mask`` is the plain causal mask (query i of sequence b sees keys up
-        to ``kv_lens[b] - q_len + i``); False when something else was put there (draft
-        trees, `rose.spec.tree.tree_metadata`).
+    pages: the same batch as page lists on the host (`PageLists`), for paged kernels.
+    causal: True when ``mask`` is the plain causal mask (query i of a sequence with q new
+        tokens and k keys sees keys up to ``k - q + i``); False when something else was put
+        there (draft trees, `rose.spec.tree.tree_metadata`).
     kernel: a paged-attention kernel planned for this pass (`rose.attention.paged`), which
         the attention layers then call on the cache's pages; None: SDPA over K/V gathered
         through ``kv_slots``.
@@ -50,7 +96,7 @@ class AttentionMetadata:
     mask: torch.Tensor | None
     last_index: torch.Tensor
     cu_seqlens: torch.Tensor
-    kv_lens: torch.Tensor
+    pages: PageLists
     causal: bool = True
     kernel: PagedPlan | None = None
 
@@ -116,7 +162,7 @@ class AttentionMetadata:
             mask=None if mask is None else mask.to(device),
             last_index=(cu[1:] - 1).to(device),
             cu_seqlens=cu.to(device),
-            kv_lens=torch.tensor(kv_lens, device=device),
+            pages=PageLists.of(entries),
         )
 
     @staticmethod
@@ -142,5 +188,5 @@ class AttentionMetadata:
             mask=None if mask is None else mask.to(device),
             last_index=torch.tensor([new - 1], device=device),
             cu_seqlens=torch.tensor([0, new], device=device),
-            kv_lens=torch.tensor([total], device=device),
+            pages=PageLists.of([(table, cached, new)]),
         )

@@ -370,7 +370,7 @@ class LlamaForCausalLM(nn.Module):
         order, side by side (``[T, len * H]``; the residual stream, before any norm)."""
         layers = _feature_layers(return_all_hidden, len(self.layers))
         if self.paged_kernel is not None and meta.kernel is None:
-            meta = replace(meta, kernel=self.paged_kernel.plan(meta, cache.page_size))
+            meta = replace(meta, kernel=self.paged_kernel.plan(meta))
         cos, sin = self._rope(meta.positions)
         x = self.tok_embeddings(input_ids)  # [T, H]
         kept: list[torch.Tensor] = []
