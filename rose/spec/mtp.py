@@ -371,21 +371,38 @@ class MTPDrafter:
             r = requests[i]
             start = r.table.length + 1  # pair t pairs feature t with token t + 1
             toks[i] = r.tokens[start : start + r.features.shape[0]]
+        # A greedy chain keeps its drafts on the device until the last step: each head step
+        # feeds on the previous step's argmax there, and one read at the end brings the
+        # whole chain back (on a GPU, no host synchronization between the head's steps).
+        on_device = not widths and not nodes and all(requests[i].params.greedy for i in live)
+        chain: list[tuple[list[int], torch.Tensor]] = []  # (live, [B] draft ids) per step
         for step in range(max((requests[i].k for i in live), default=0)):
             live = [
                 i for i in live if requests[i].k > step and (i not in dynamic or dynamic[i].grows)
             ]
             if not live:
                 break
-            entries = [(requests[i].table, requests[i].table.length, len(toks[i])) for i in live]
+            fed = {i: 1 if on_device and step else len(toks[i]) for i in live}
+            entries = [(requests[i].table, requests[i].table.length, fed[i]) for i in live]
             meta = AttentionMetadata.build(entries, device=self.cache.k.device)
-            ids = torch.tensor([t for i in live for t in toks[i]], device=self.cache.k.device)
+            if on_device and step:
+                prev_live, prev_ids = chain[-1]
+                rows = [prev_live.index(i) for i in live]
+                ids = prev_ids if len(rows) == len(prev_live) else prev_ids[rows]
+            else:
+                ids = torch.tensor([t for i in live for t in toks[i]], device=self.cache.k.device)
             hid = feats[live[0]] if len(live) == 1 else torch.cat([feats[i] for i in live])
             out = self.head(hid, emb(ids), meta, self.cache)
             if out.shape[0] != len(live):
                 out = out[meta.last_index]  # [B, H]
             # [B, N] over the draft vocabulary (the product in the weights' dtype)
             logits = self.lm_head(out.to(self.dtype)).float()
+            if on_device:
+                chain.append((live, draft_vocab[logits.argmax(-1)]))  # [B] target ids
+                for row, i in enumerate(live):
+                    requests[i].table.length += fed[i]
+                    feats[i] = out[row : row + 1]
+                continue
             width = nodes or (widths[step] if step < len(widths) else 1)
             probs: list[list[float]] = []
             if width > 1 or nodes:  # [B, width] target ids, best first, one sync
@@ -416,6 +433,13 @@ class MTPDrafter:
                 drafts[i].append(tok)
                 feats[i] = out[row : row + 1]
                 toks[i] = [tok]
+        if chain:  # the chain's one read back to the host
+            flat = torch.cat([ids for _, ids in chain]).tolist()
+            at = 0
+            for step_live, _ in chain:
+                for row, i in enumerate(step_live):
+                    drafts[i].append(flat[at + row])
+                at += len(step_live)
         for i, tree in dynamic.items():
             drafts[i], alts[i] = tree.select()
         return [
