@@ -16,7 +16,7 @@ from rose.kv.metadata import AttentionMetadata
 from rose.models.llama import LlamaForCausalLM
 from rose.sampling import SamplingParams
 from rose.spec import SpecConfig
-from rose.spec.mtp import MTPHead, MTPHeadConfig
+from rose.spec.mtp import MTPDrafter, MTPDraftRequest, MTPHead, MTPHeadConfig
 from rose.spec.mtp import draft_dtype as resolve_draft_dtype
 from rose.spec.train_mtp import (
     TrainConfig,
@@ -215,6 +215,34 @@ def test_unrolled_training_forward_matches_chained_drafting(
                     j for j, r in enumerate(rows.tolist()) if fwd.seq1[r] == seq and fwd.t1[r] == t
                 ]
                 torch.testing.assert_close(out[i : i + 1], got, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_chains_drafted_on_the_device_equal_the_per_step_path(
+    target: LlamaForCausalLM, trained: tuple[MTPHead, list[float]]
+) -> None:
+    """Greedy chains keep their drafts on the device between head steps; a one-wide tree
+    takes the per-step host path. Both must draft the same chains, in a batch whose
+    requests want different lengths (so the live set shrinks between steps)."""
+    head, _ = trained
+    prompts = random_prompts(31, 3)
+    feats = target_features(target, prompts)
+    ks = (3, 1, 2)
+    nexts = (5, 40, 90)  # the token after each prompt: distinct, so the chains differ
+
+    def propose(widths: tuple[int, ...]) -> tuple[list[list[int]], list[int]]:
+        drafter = MTPDrafter(head, target, PageAllocator(64), 16)
+        reqs = [
+            MTPDraftRequest(drafter.new_table(), f, [*p, t], k, GREEDY, None)
+            for p, f, k, t in zip(prompts, feats, ks, nexts, strict=True)
+        ]
+        chains = [d for d, _, _ in drafter.propose(reqs, widths)]
+        return chains, [r.table.length for r in reqs]
+
+    on_device, lengths = propose(())
+    per_step, lengths_host = propose((1,))
+    assert [len(c) for c in on_device] == list(ks)
+    assert len({c[0] for c in on_device}) == len(ks)  # distinct chains, or the test is blind
+    assert on_device == per_step and lengths == lengths_host
 
 
 def test_head_starts_from_the_targets_last_layer(target: LlamaForCausalLM) -> None:
