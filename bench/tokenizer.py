@@ -349,40 +349,20 @@ def _rust_level(cfg: BenchConfig, path: Path) -> dict[str, object]:
     for size in SIZES:
         texts = cfg.work / f"texts-{size}.jsonl"
         n = len(texts.read_text(encoding="utf-8").splitlines())
-        runs = []
-        for _ in range(cfg.repeats):
-            res = subprocess.run(
-                [str(exe), str(path), str(texts), "both", str(_rounds(cfg, n))],
-                capture_output=True,
-                text=True,
-                check=True,
-            )
-            runs.append([json.loads(line) for line in res.stdout.splitlines()])
+        runs = [_compare(exe, path, texts, _rounds(cfg, n)) for _ in range(cfg.repeats)]
         out["sizes"][size] = [_median_run([r[k] for r in runs]) for k in (0, 1)]  # type: ignore[index]
     # One ~512-token text repeated: every trie node it touches stays in cache, so the gap
     # to the distinct-text p50 is the time spent waiting on memory.
     first = (cfg.work / "texts-512.jsonl").read_text(encoding="utf-8").splitlines()[0]
     warm = cfg.work / "texts-512-warm.jsonl"
     warm.write_text((first + "\n") * 60, encoding="utf-8")
-    res = subprocess.run(
-        [str(exe), str(path), str(warm), "both", str(cfg.rounds)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    out["warm"] = [json.loads(line) for line in res.stdout.splitlines()]
+    out["warm"] = _compare(exe, path, warm, cfg.rounds)
     # Unseen protocol: each fresh text once, after a warm-up pass over the ~1k-token texts.
-    unseen_runs = []
-    for i in range(cfg.repeats):
-        fresh = cfg.work / f"texts-512-unseen-{i}.jsonl"
-        warm_up = cfg.work / "texts-1024.jsonl"
-        res = subprocess.run(
-            [str(exe), str(path), str(fresh), "both", "1", str(warm_up)],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        unseen_runs.append([json.loads(line) for line in res.stdout.splitlines()])
+    warm_up = cfg.work / "texts-1024.jsonl"
+    unseen_runs = [
+        _compare(exe, path, cfg.work / f"texts-512-unseen-{i}.jsonl", 1, warm_up)
+        for i in range(cfg.repeats)
+    ]
     out["unseen"] = [_median_run([r[k] for r in unseen_runs]) for k in (0, 1)]
     if shutil.which("valgrind"):
         texts = cfg.work / "texts-512.jsonl"
@@ -409,6 +389,17 @@ def _rust_level(cfg: BenchConfig, path: Path) -> dict[str, object]:
                 # One measured round over the texts (the warm-up is outside the toggle).
                 out["callgrind"][which] = int(m.group(1)) / n  # type: ignore[index]
     return out
+
+
+def _compare(
+    exe: Path, path: Path, texts: Path, rounds: int, warm_up: Path | None = None
+) -> list[dict[str, object]]:
+    """One run of the compare binary on both libraries: its JSON line per library."""
+    argv = [str(exe), str(path), str(texts), "both", str(rounds)]
+    if warm_up is not None:
+        argv.append(str(warm_up))
+    res = subprocess.run(argv, capture_output=True, text=True, check=True)
+    return [json.loads(line) for line in res.stdout.splitlines()]
 
 
 def _median_run(runs: list[dict[str, object]]) -> dict[str, object]:
