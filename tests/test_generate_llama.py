@@ -120,6 +120,24 @@ def test_logits_match_transformers(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+def test_fused_projections_keep_the_logits(name: str, tmp_path: Path) -> None:
+    # q/k/v and gate/up as one product each (what a draft head's inference copy runs),
+    # biases included (Qwen2): still transformers' logits.
+    ref, ours = _pair(name, tmp_path)
+    for block in ours.layers:
+        block.attention.fuse_qkv()
+        block.mlp.fuse_gate_up()
+    assert not hasattr(ours.layers[0].attention, "wq")
+    ids = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    alloc = PageAllocator(PAGES)
+    cache = ours.new_cache(PAGES, PAGE)
+    got = _run(ours, [ids.tolist()], [BlockTable(alloc, PAGE)], cache, [0])
+    torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
 def test_batched_mixed_lengths_equal_single(name: str, tmp_path: Path) -> None:
     _, ours = _pair(name, tmp_path)
     g = torch.Generator().manual_seed(2)

@@ -228,6 +228,22 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
         self.wv = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * d, h, bias=cfg.o_bias)
+        self.wqkv: nn.Module | None = None  # set by `fuse_qkv`
+
+    def fuse_qkv(self) -> None:
+        """Replace wq, wk and wv by one linear layer ``[(Hq + 2 Hkv) * D, H]`` whose output
+        is ``[q | k | v]``: one product instead of three, for inference copies whose
+        products are small enough that a call's fixed cost shows (a draft head's one-token
+        steps). Loaded weights stay where they are until this is called."""
+        parts = (self.wq, self.wk, self.wv)
+        w = torch.cat([p.weight.detach() for p in parts])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=self.wq.bias is not None)
+        fused = fused.to(device=w.device, dtype=w.dtype).requires_grad_(False)
+        fused.weight.copy_(w)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+        self.wqkv = fused
+        del self.wq, self.wk, self.wv
 
     def forward(
         self,
@@ -238,9 +254,14 @@ class Attention(nn.Module):
         cache: PagedKVCache,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.wq(x).view(t, self.n_heads, self.head_dim)  # [T, Hq, D]
-        k = self.wk(x).view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
-        v = self.wv(x).view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
+        if self.wqkv is not None:
+            d_q, d_kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = self.wqkv(x).split([d_q, d_kv, d_kv], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(t, self.n_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer, meta.slot_mapping, k, v)
         if meta.kernel is not None:  # a paged kernel reads the pages in place
@@ -268,8 +289,25 @@ class MLP(nn.Module):
         self.w_gate = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.w_up = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.w_down = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.w_gate_up: nn.Module | None = None  # set by `fuse_gate_up`
+
+    def fuse_gate_up(self) -> None:
+        """Replace w_gate and w_up by one linear layer ``[2 I, H]`` whose output is
+        ``[gate | up]`` (see `Attention.fuse_qkv`)."""
+        parts = (self.w_gate, self.w_up)
+        w = torch.cat([p.weight.detach() for p in parts])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=self.w_gate.bias is not None)
+        fused = fused.to(device=w.device, dtype=w.dtype).requires_grad_(False)
+        fused.weight.copy_(w)
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+        self.w_gate_up = fused
+        del self.w_gate, self.w_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w_gate_up is not None:
+            gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # [T, I] each
+            return self.w_down(F.silu(gate) * up)
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
