@@ -26,7 +26,7 @@ import torch
 from rose.kv.allocator import KVCacheConfig, OutOfPages, PageAllocator
 from rose.kv.block_table import BlockTable
 from rose.kv.metadata import AttentionMetadata
-from rose.models.llama import LlamaForCausalLM
+from rose.models.llama import DecoderOutput, LlamaForCausalLM
 from rose.sampling import FinishReason, SamplingParams, StopChecker, token_probs
 from rose.spec.acceptance import accept_deterministic, accept_drafts, accept_greedy
 from rose.spec.config import SpecConfig
@@ -98,6 +98,8 @@ class _Seq:
     new_ids: list[int] = field(default_factory=list)
     # MTP: target features not yet fed to the head (pairs draft_table.length ..)
     features: torch.Tensor | None = None
+    # MTP chains drafted on the device right after the last verification (`spec.device_chain`)
+    next_drafts: list[int] | None = None
     draft_len: int = 0  # adaptive k: drafts wanted next step (0: not yet set)
 
     @property
@@ -107,6 +109,7 @@ class _Seq:
     def release(self) -> None:
         self.table.release()
         self.features = None
+        self.next_drafts = None
         if self.draft_table is not None:
             self.draft_table.release()
 
@@ -228,9 +231,10 @@ class GenerationEngine:
         batch = [s for s in self._running]
         if not batch:
             return []
+        on_device = self._chain_on_device(batch, drafts)
 
         t0 = time.perf_counter()
-        entries, ids, n_logits, idx, starts = [], [], [], [], []
+        entries, ids, n_logits, idx, starts, feeds = [], [], [], [], [], []
         tree_rows: list[tuple[int, int, int, DraftTree]] = []
         total = 0
         for b, s in enumerate(batch):
@@ -240,6 +244,7 @@ class GenerationEngine:
             if s.seq_id in trees:
                 tree_rows.append((b, s.table.length, len(pending), trees[s.seq_id]))
             entries.append((s.table, s.table.length, len(feed)))
+            feeds.append(feed)
             starts.append(total)
             ids.extend(feed)
             total += len(feed)
@@ -260,6 +265,8 @@ class GenerationEngine:
             return_all_hidden=self.mtp.head.config.target_request if self.mtp else False,
         )
         logits = fwd.logits[:n_rows]
+        if on_device:
+            return self._accept_and_chain(batch, entries, feeds, drafts, n_logits, fwd, t0)
         # temperature 0: the target's argmax at every verified position, one sync for all
         argmax = logits.argmax(-1).tolist() if any(s.params.greedy for s in batch) else []
         verify_s = time.perf_counter() - t0
@@ -394,6 +401,16 @@ class GenerationEngine:
             if k > 0:
                 todo.append((s, k))
         out: dict[int, tuple[list[int], torch.Tensor | None]] = {}
+        if self.mtp is not None:  # chains drafted at the end of the last step
+            rest = []
+            for s, k in todo:
+                if s.next_drafts is None:
+                    rest.append((s, k))
+                elif s.next_drafts[:k]:
+                    out[s.seq_id] = (s.next_drafts[:k], None)
+            todo = rest
+        for s in self._running:
+            s.next_drafts = None
         if self.ngram is not None:
             for s, k in todo:
                 d = self.ngram.propose(s.tokens, k)
@@ -429,6 +446,113 @@ class GenerationEngine:
                     out[s.seq_id] = (d, q)
         self.stats.draft_s += time.perf_counter() - t0
         return out, trees
+
+    def _chain_on_device(
+        self, batch: list[_Seq], drafts: dict[int, tuple[list[int], torch.Tensor | None]]
+    ) -> bool:
+        """Whether this step accepts on the device and drafts the next MTP chains before
+        anything is read back (`spec.device_chain`): every sequence greedy, plain chains,
+        the head's cache holding exactly the pairs before the pass, and room reserved in
+        every head table for the chain (`MTPDrafter.chain_room`)."""
+        spec = self.config.spec
+        if (
+            self.mtp is None
+            or not spec.device_chain
+            or spec.tree_widths
+            or spec.tree_nodes
+            or spec.adaptive_k
+            or not all(s.params.greedy for s in batch)
+        ):
+            return False
+        for s in batch:
+            head = s.draft_table
+            if head is None or s.features is not None or head.length < s.table.length:
+                return False  # features still to feed: the general path feeds them
+        for s in batch:
+            head = s.draft_table
+            assert head is not None
+            ModelDrafter.rollback(head, s.table.length)  # the chain drafted for this pass
+            fed = len(s.tokens) - s.table.length + len(drafts.get(s.seq_id, _NO_DRAFT)[0])
+            try:
+                head.reserve(self.mtp.chain_room(s.table.length, fed, spec.num_draft_tokens))
+            except OutOfPages:
+                return False
+        return True
+
+    def _accept_and_chain(
+        self,
+        batch: list[_Seq],
+        entries: list[tuple[BlockTable, int, int]],
+        feeds: list[list[int]],
+        drafts: dict[int, tuple[list[int], torch.Tensor | None]],
+        n_logits: list[int],
+        fwd: DecoderOutput,
+        t0: float,
+    ) -> list[StepOutput]:
+        """Greedy acceptance and the next MTP chains on the device, then one read back.
+
+        On a GPU nothing waits for the host between the verification pass and the next
+        draft: the accepted lengths, the bonus tokens and the next drafts come back together
+        (`MTPDrafter.chain_after_verify`), and the host's bookkeeping follows."""
+        assert self.mtp is not None and fwd.all_hidden is not None
+        dev = self.device
+        k = self.config.spec.num_draft_tokens
+        b = len(batch)
+        chains = [drafts.get(s.seq_id, _NO_DRAFT)[0] for s in batch]
+        width = max(1, max(len(d) for d in chains))
+        # logits row of every draft's check (-1 past a sequence's drafts) and of each bonus
+        at, want, off = [], [], 0
+        for d, n in zip(chains, n_logits, strict=True):
+            at.append([off + j for j in range(n)] + [off + n - 1] * (width + 1 - n))
+            want.append(list(d) + [-1] * (width - len(d)))
+            off += n
+        pred = fwd.logits[:off].argmax(-1)[torch.tensor(at, device=dev)]  # [B, width + 1]
+        hit = pred[:, :width] == torch.tensor(want, device=dev)  # [B, width]
+        n_acc = hit.to(torch.int64).cumprod(1).sum(1)  # [B] leading drafts the target kept
+        bonus = pred.gather(1, n_acc[:, None]).squeeze(1)  # [B] the target's next token
+        pending = torch.tensor([len(f) - len(d) for f, d in zip(feeds, chains, strict=True)])
+        verify_s = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        last = pending.to(dev) - 1 + n_acc  # [B] row of the last verified token per sequence
+        tables = [s.draft_table for s in batch]
+        assert all(t is not None for t in tables)
+        nxt = self.mtp.chain_after_verify(
+            tables,  # type: ignore[arg-type]
+            [c for _, c, _ in entries],
+            feeds,
+            fwd.all_hidden,
+            last,
+            bonus,
+            k,
+        )
+        # the step's one read back: accepted counts, bonus tokens and next drafts together
+        back = torch.cat([n_acc, bonus, nxt.flatten()]).tolist()
+        self.stats.draft_s += time.perf_counter() - t1
+
+        outputs: list[StepOutput] = []
+        for i, (s, (_, cached, fed), d) in enumerate(zip(batch, entries, chains, strict=True)):
+            acc, tok = back[i], back[b + i]
+            if d:
+                self.stats.record(len(d), acc)
+            valid = fed - len(d) + acc
+            s.table.length = cached + valid
+            s.table.truncate(s.table.length)
+            head = s.draft_table
+            assert head is not None
+            head.length = self.mtp.chain_room(cached, fed, k)
+            head.truncate(cached + valid)  # pairs built from target features only
+            s.next_drafts = back[2 * b + i * k : 2 * b + (i + 1) * k]
+            self._emit(s, d[:acc] + [tok])
+            outputs.append(StepOutput(s.seq_id, s.new_ids, s.finish_reason))
+            s.new_ids = []
+        if any(chains):
+            self.stats.verify_s += verify_s
+        for s in batch:
+            if s.finish_reason is not None:
+                self._running.remove(s)
+                s.release()
+        return outputs
 
     def _emit(self, s: _Seq, new: list[int]) -> None:
         """Append tokens one at a time, stopping at EOS / stop string / max_tokens: nothing

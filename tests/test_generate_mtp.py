@@ -78,6 +78,59 @@ def test_trained_head_is_accepted_and_lossless(
     assert eng.allocator.num_free == eng.config.kv.num_pages
 
 
+@pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
+def test_chains_accepted_on_the_device_equal_the_host_path(
+    target: LlamaForCausalLM,
+    trained: tuple[MTPHead, list[float]],
+    draft_dtype: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`spec.device_chain` (accept on the device, draft the next chain in the same step,
+    one read back) against the host path: the same outputs, drafts and acceptance, with
+    requests joining mid-run (batch of 4 over 12 prompts), different max_tokens, an EOS
+    that ends chains early, and every page back in the pool at the end."""
+    head, _ = trained
+    prompts = random_prompts(44, 12)
+    params = [SamplingParams(max_tokens=6 + 5 * (i % 4)) for i in range(len(prompts))]
+    plain = GenerationEngine(target).generate(prompts, params)
+    counts: dict[int, int] = {}
+    for r in plain:
+        for t in r.output_ids:
+            counts[t] = counts.get(t, 0) + 1
+    eos = max(counts, key=lambda t: counts[t])  # common enough to end some answers early
+    calls = {"n": 0}
+    real = MTPDrafter.chain_after_verify
+
+    def spy(self: MTPDrafter, *args: object, **kwargs: object) -> torch.Tensor:
+        calls["n"] += 1
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MTPDrafter, "chain_after_verify", spy)
+    runs = {}
+    for device_chain in (True, False):
+        spec = SpecConfig(
+            method="mtp", num_draft_tokens=3, draft_dtype=draft_dtype, device_chain=device_chain
+        )
+        eng = GenerationEngine(
+            target, GenerationConfig(max_batch=4, spec=spec), mtp_head=head, eos_ids=[eos]
+        )
+        before = calls["n"]
+        out = eng.generate(prompts, params)
+        runs[device_chain] = ([(r.output_ids, r.finish_reason) for r in out], eng.stats)
+        assert (calls["n"] > before) == device_chain
+        assert eng.allocator.num_free == eng.config.kv.num_pages
+    (got, st), (want, st_host) = runs[True], runs[False]
+    assert got == want
+    assert any(reason == "stop" for _, reason in got) and all(eos not in o for o, _ in got)
+    assert st.drafted > 0 and st.accepted > 0
+    assert (st.steps, st.drafted, st.accepted, st.accepted_at) == (
+        st_host.steps,
+        st_host.drafted,
+        st_host.accepted,
+        st_host.accepted_at,
+    )
+
+
 def test_draft_dtype_setting(target: LlamaForCausalLM) -> None:
     head = MTPHead(MTPHeadConfig.for_target(target.config)).eval()
     assert resolve_draft_dtype("float32", head) == torch.float32
@@ -142,7 +195,15 @@ def test_head_with_a_draft_vocabulary_and_unrolled_training(
         drafted.extend(t for d, _, _ in out for t in d)
         return out
 
+    chained = eng.mtp.chain_after_verify
+
+    def spy_chain(*args, **kwargs):  # the same for chains drafted right after verification
+        out = chained(*args, **kwargs)
+        drafted.extend(out.flatten().tolist())
+        return out
+
     eng.mtp.propose = spy  # type: ignore[method-assign]
+    eng.mtp.chain_after_verify = spy_chain  # type: ignore[method-assign]
     eng.generate(test_prompts[:4], GREEDY)
     assert drafted and set(drafted) <= set(vocab)
 

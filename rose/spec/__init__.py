@@ -6,6 +6,8 @@
 - `NgramDrafter`: prompt lookup — copy what followed the last n tokens' earlier occurrence.
 - `ModelDrafter`: a small model sharing the target's tokenizer, on the shared page pool.
 - `rose.spec.mtp` / `rose.spec.train_mtp`: the MTP / EAGLE head and its training command.
+  Greedy chains are accepted on the device and the next chain drafted in the same step
+  (`MTPDrafter.chain_after_verify`, `SpecConfig.device_chain`): one read back per step.
 - `rose.spec.tree`: draft trees for greedy MTP requests — the chain plus the head's
   runner-up tokens as leaves, verified in the same pass under a tree mask.
 - `SpecConfig`: which method, how many tokens; `SpecStats`: acceptance and timing.

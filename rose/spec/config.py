@@ -30,6 +30,11 @@ class SpecConfig:
     tree_nodes: MTP only, instead of tree_widths: a dynamic draft tree of this many nodes,
     chosen per step by the head's own path probabilities (up to num_draft_tokens deep);
     0: off. Greedy requests only.
+    device_chain: MTP chains when every running request is greedy: accept on the device
+    and draft the next chain in the same step, reading the outcome back once after it
+    (`rose.spec.mtp.MTPDrafter.chain_after_verify`), so that on a GPU no host
+    synchronization sits between a verification and the next draft. False: accept on the
+    host, then draft at the start of the next step (the general path).
     """
 
     method: str = "none"
@@ -40,6 +45,7 @@ class SpecConfig:
     draft_dtype: str = "auto"
     tree_widths: tuple[int, ...] = ()
     tree_nodes: int = 0
+    device_chain: bool = True
 
     @property
     def max_fed_drafts(self) -> int:

@@ -26,7 +26,7 @@ from torch import nn
 from rose.kv.allocator import OutOfPages, PageAllocator
 from rose.kv.block_table import BlockTable
 from rose.kv.cache import PagedKVCache
-from rose.kv.metadata import AttentionMetadata
+from rose.kv.metadata import AttentionMetadata, PageLists
 from rose.models.llama import (
     Block,
     LlamaConfig,
@@ -277,15 +277,15 @@ def draft_dtype(setting: str, head: MTPHead) -> torch.dtype:
 
 
 def _for_inference(head: MTPHead, dtype: torch.dtype) -> MTPHead:
-    """The head the drafter runs: a frozen copy whose linear layers hold ``dtype`` weights
-    (the caller's head stays trainable). On CPU the linear layers are oneDNN-packed
-    (`rose.packed`) and only they change dtype: a bf16 product under fp32 activations, norms,
-    cache and attention, because PyTorch's CPU attention is ~8x slower in bf16 than in fp32
-    for a one-token query. Elsewhere (CUDA) the whole copy moves to ``dtype``."""
-    own = head.norm.weight.dtype
-    if own == dtype and not can_pack(head.fuse.weight.detach()):
-        return head
+    """The head the drafter runs: a frozen copy whose linear layers hold ``dtype`` weights,
+    with q/k/v and gate/up fused (the caller's head stays trainable and unchanged). On CPU
+    the linear layers are oneDNN-packed (`rose.packed`) and only they change dtype: a bf16
+    product under fp32 activations, norms, cache and attention, because PyTorch's CPU
+    attention is ~8x slower in bf16 than in fp32 for a one-token query. Elsewhere (CUDA)
+    the whole copy moves to ``dtype``."""
     copy = deepcopy(head).requires_grad_(False)
+    copy.block.attention.fuse_qkv()  # one product for q, k and v, one for gate and up
+    copy.block.mlp.fuse_gate_up()
     probe = copy.fuse.weight.detach().to(dtype)
     if not can_pack(probe):
         return copy.to(dtype)
@@ -330,6 +330,83 @@ class MTPDrafter:
 
     def new_table(self) -> BlockTable:
         return BlockTable(self.allocator, self.page_size)
+
+    def chain_room(self, cached: int, fed: int, k: int) -> int:
+        """Tokens a head table must hold for `chain_after_verify` (``fed`` pairs from
+        position ``cached``, then up to ``k - 1`` chained pairs past the last of them)."""
+        return cached + fed + k - 1
+
+    @torch.no_grad()
+    def chain_after_verify(
+        self,
+        tables: Sequence[BlockTable],
+        cached: Sequence[int],
+        fed: Sequence[Sequence[int]],
+        features: torch.Tensor,
+        last_verified: torch.Tensor,
+        bonus: torch.Tensor,
+        k: int,
+    ) -> torch.Tensor:
+        """Greedy chains of ``k`` drafts right after a verification pass, without reading
+        its outcome back to the host: what is accepted stays on the device.
+
+        Sequence ``b`` fed the target tokens ``fed[b]`` from position ``cached[b]`` (its head
+        table holds exactly the pairs before it and has room for `chain_room`); its
+        verified tokens are rows ``0 .. last_verified[b]`` of them (``[B]``, on the device),
+        and ``bonus[b]`` is the target's token after them. ``features [T, W]`` are the
+        pass's target features in feed order. Returns the drafts ``[B, k]`` (target ids) on
+        the device; the caller sets each table's length once it knows the outcome.
+
+        Step 0 feeds every fed row's pair (row r: feature r and token r + 1, the bonus at
+        the last verified row) with fixed shapes, so no count from the device decides a
+        shape; rows past the last verified one only write cache entries that the chain's
+        later steps overwrite before anything reads them (keys are masked by position).
+        Equal to `propose` on the verified rows alone: attention is causal.
+        """
+        dev = self.cache.k.device
+        emb = self.target.tok_embeddings
+        counts = [len(f) for f in fed]
+        starts = torch.tensor([sum(counts[:i]) for i in range(len(counts))], device=dev)
+        ids = torch.tensor([t for f in fed for t in (*f[1:], 0)], device=dev)  # [T]
+        rows = starts + last_verified  # [B] flat row of each sequence's last verified pair
+        ids = ids.index_put((rows,), bonus)
+        entries = [(t, c, n) for t, c, n in zip(tables, cached, counts, strict=True)]
+        meta = AttentionMetadata.build(entries, device=dev)
+        feat = self.head(features, emb(ids), meta, self.cache)[rows]  # [B, H]
+        drafts = [self._best(feat)]  # [B] each
+        if k > 1:
+            b = len(tables)
+            reach = [self.chain_room(c, n, k) for c, n in zip(cached, counts, strict=True)]
+            slots = torch.zeros(b, max(reach), dtype=torch.int64)  # [B, Lk], padding slot 0
+            for i, t in enumerate(tables):
+                slots[i, : reach[i]] = t.slots(0, reach[i])
+            slots = slots.to(dev)
+            keys = torch.arange(slots.shape[1], device=dev)  # [Lk] key positions
+            one = torch.arange(b, device=dev)
+            pages = PageLists.of([(t, 0, r) for t, r in zip(tables, reach, strict=True)])
+            last = torch.tensor(list(cached), device=dev) + last_verified  # [B] positions
+            for step in range(1, k):
+                pos = last + step  # [B]
+                meta = AttentionMetadata(
+                    positions=pos,
+                    slot_mapping=slots.gather(1, pos[:, None]).squeeze(1),
+                    q_index=one[:, None],
+                    out_index=one,
+                    kv_slots=slots,
+                    mask=(keys[None, :] <= pos[:, None])[:, None, None, :],  # [B, 1, 1, Lk]
+                    last_index=one,
+                    cu_seqlens=torch.arange(b + 1, device=dev),
+                    pages=pages,
+                    causal=False,
+                )
+                feat = self.head(feat, emb(drafts[-1]), meta, self.cache)  # [B, H]
+                drafts.append(self._best(feat))
+        return torch.stack(drafts, dim=1)  # [B, k]
+
+    def _best(self, feat: torch.Tensor) -> torch.Tensor:
+        """The head's greedy token (target id) for features ``[B, H]``: ``[B]``."""
+        logits = self.lm_head(feat.to(self.dtype)).float()  # [B, N] over the draft vocabulary
+        return self.head.draft_vocab[logits.argmax(-1)]
 
     @torch.no_grad()
     def propose(
