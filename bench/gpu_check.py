@@ -200,7 +200,7 @@ def _decoder_check(device: str = "cuda", dtype_name: str = "bfloat16", limit: in
         methods["mtp k=3"] = {"method": "mtp", "num_draft_tokens": 3}
         # the same chain accepted on the host, then drafted at the next step's start: the
         # tokens/s gap is what keeping acceptance on the device (spec.device_chain) saves
-        methods["mtp k=3 host"] = {"method": "mtp", "num_draft_tokens": 3, "device_chain": False}
+        methods["mtp k=3 host"] = {"method": "mtp", "num_draft_tokens": 3, "device_chain": "off"}
         methods["mtp tree 3,2"] = {"method": "mtp", "num_draft_tokens": 2, "tree_widths": (3, 2)}
     failures = 0
     for name, spec in methods.items():

@@ -455,9 +455,12 @@ class GenerationEngine:
         the head's cache holding exactly the pairs before the pass, and room reserved in
         every head table for the chain (`MTPDrafter.chain_room`)."""
         spec = self.config.spec
+        wanted = spec.device_chain == "on" or (
+            spec.device_chain == "auto" and self.device.type != "cpu"
+        )
         if (
             self.mtp is None
-            or not spec.device_chain
+            or not wanted
             or spec.tree_widths
             or spec.tree_nodes
             or spec.adaptive_k

@@ -107,7 +107,7 @@ def test_chains_accepted_on_the_device_equal_the_host_path(
 
     monkeypatch.setattr(MTPDrafter, "chain_after_verify", spy)
     runs = {}
-    for device_chain in (True, False):
+    for device_chain in ("on", "off"):
         spec = SpecConfig(
             method="mtp", num_draft_tokens=3, draft_dtype=draft_dtype, device_chain=device_chain
         )
@@ -117,9 +117,19 @@ def test_chains_accepted_on_the_device_equal_the_host_path(
         before = calls["n"]
         out = eng.generate(prompts, params)
         runs[device_chain] = ([(r.output_ids, r.finish_reason) for r in out], eng.stats)
-        assert (calls["n"] > before) == device_chain
+        assert (calls["n"] > before) == (device_chain == "on")
         assert eng.allocator.num_free == eng.config.kv.num_pages
-    (got, st), (want, st_host) = runs[True], runs[False]
+    (got, st), (want, st_host) = runs["on"], runs["off"]
+    before = calls["n"]
+    auto = GenerationEngine(
+        target, GenerationConfig(spec=SpecConfig(method="mtp")), mtp_head=head, eos_ids=[eos]
+    )
+    assert [r.output_ids for r in auto.generate(prompts[:2], params[:2])] == [
+        o for o, _ in want[:2]
+    ]
+    assert calls["n"] == before  # "auto" takes the host path on the CPU
+    with pytest.raises(ValueError, match="spec.device_chain"):
+        SpecConfig(method="mtp", device_chain="yes")
     assert got == want
     assert any(reason == "stop" for _, reason in got) and all(eos not in o for o, _ in got)
     assert st.drafted > 0 and st.accepted > 0
