@@ -13,7 +13,7 @@ in bf16, checks every row against the reference (cosine >= 0.999) and prints ste
 p50/p99 per configuration. Then the decoder (SmolLM2-135M-Instruct from the model cache, bf16):
 greedy chat answers with attention through SDPA over gathered K/V against FlashInfer's paged
 kernel (`rose.attention.paged`), plain and with MTP speculation when a trained head is in the
-cache, reporting tokens/s and how many answers the two attention paths agree on token for
+cache (chains accepted on the device, `spec.device_chain`, and on the host), reporting tokens/s and how many answers the two attention paths agree on token for
 token (bf16 sums in another order may flip a near-tie, so agreement is reported, and a
 prefix of at least 16 tokens is required). Without CUDA it says so and exits 0 after
 checking that the GPU code paths import cleanly.

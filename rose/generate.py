@@ -25,7 +25,7 @@ import torch
 
 from rose.kv.allocator import KVCacheConfig, OutOfPages, PageAllocator
 from rose.kv.block_table import BlockTable
-from rose.kv.metadata import AttentionMetadata
+from rose.kv.metadata import AttentionMetadata, to_device
 from rose.models.llama import DecoderOutput, LlamaForCausalLM
 from rose.sampling import FinishReason, SamplingParams, StopChecker, token_probs
 from rose.spec.acceptance import accept_deterministic, accept_drafts, accept_greedy
@@ -266,7 +266,8 @@ class GenerationEngine:
         )
         logits = fwd.logits[:n_rows]
         if on_device:
-            return self._accept_and_chain(batch, entries, feeds, drafts, n_logits, fwd, t0)
+            verify_s = time.perf_counter() - t0
+            return self._accept_and_chain(batch, entries, feeds, drafts, n_logits, fwd, verify_s)
         # temperature 0: the target's argmax at every verified position, one sync for all
         argmax = logits.argmax(-1).tolist() if any(s.params.greedy for s in batch) else []
         verify_s = time.perf_counter() - t0
@@ -490,47 +491,16 @@ class GenerationEngine:
         drafts: dict[int, tuple[list[int], torch.Tensor | None]],
         n_logits: list[int],
         fwd: DecoderOutput,
-        t0: float,
+        verify_s: float,
     ) -> list[StepOutput]:
-        """Greedy acceptance and the next MTP chains on the device, then one read back.
-
-        On a GPU nothing waits for the host between the verification pass and the next
-        draft: the accepted lengths, the bonus tokens and the next drafts come back together
-        (`MTPDrafter.chain_after_verify`), and the host's bookkeeping follows."""
-        assert self.mtp is not None and fwd.all_hidden is not None
-        dev = self.device
+        """Greedy acceptance and the next MTP chains on the device (`_outcome_on_device`),
+        one read back, then the host's bookkeeping."""
+        assert self.mtp is not None
         k = self.config.spec.num_draft_tokens
         b = len(batch)
         chains = [drafts.get(s.seq_id, _NO_DRAFT)[0] for s in batch]
-        width = max(1, max(len(d) for d in chains))
-        # logits row of every draft's check (-1 past a sequence's drafts) and of each bonus
-        at, want, off = [], [], 0
-        for d, n in zip(chains, n_logits, strict=True):
-            at.append([off + j for j in range(n)] + [off + n - 1] * (width + 1 - n))
-            want.append(list(d) + [-1] * (width - len(d)))
-            off += n
-        pred = fwd.logits[:off].argmax(-1)[torch.tensor(at, device=dev)]  # [B, width + 1]
-        hit = pred[:, :width] == torch.tensor(want, device=dev)  # [B, width]
-        n_acc = hit.to(torch.int64).cumprod(1).sum(1)  # [B] leading drafts the target kept
-        bonus = pred.gather(1, n_acc[:, None]).squeeze(1)  # [B] the target's next token
-        pending = torch.tensor([len(f) - len(d) for f, d in zip(feeds, chains, strict=True)])
-        verify_s = time.perf_counter() - t0
-
         t1 = time.perf_counter()
-        last = pending.to(dev) - 1 + n_acc  # [B] row of the last verified token per sequence
-        tables = [s.draft_table for s in batch]
-        assert all(t is not None for t in tables)
-        nxt = self.mtp.chain_after_verify(
-            tables,  # type: ignore[arg-type]
-            [c for _, c, _ in entries],
-            feeds,
-            fwd.all_hidden,
-            last,
-            bonus,
-            k,
-        )
-        # the step's one read back: accepted counts, bonus tokens and next drafts together
-        back = torch.cat([n_acc, bonus, nxt.flatten()]).tolist()
+        back = self._outcome_on_device(batch, entries, feeds, chains, n_logits, fwd).tolist()
         self.stats.draft_s += time.perf_counter() - t1
 
         outputs: list[StepOutput] = []
@@ -556,6 +526,48 @@ class GenerationEngine:
                 self._running.remove(s)
                 s.release()
         return outputs
+
+    def _outcome_on_device(
+        self,
+        batch: list[_Seq],
+        entries: list[tuple[BlockTable, int, int]],
+        feeds: list[list[int]],
+        chains: list[list[int]],
+        n_logits: list[int],
+        fwd: DecoderOutput,
+    ) -> torch.Tensor:
+        """Accepted counts ``[B]``, bonus tokens ``[B]`` and the next drafts ``[B * k]``, side
+        by side on the device, from a verification pass: nothing is read back and no copy
+        waits for the device, so on a GPU the head's steps queue right behind the pass
+        (`MTPDrafter.chain_after_verify`)."""
+        assert self.mtp is not None and fwd.all_hidden is not None
+        dev = self.device
+        width = max(1, max(len(d) for d in chains))
+        # per sequence: the logits rows checking its drafts, then its bonus row (the last
+        # row repeated past a short chain), and its drafts (-1, no token, past them)
+        at, want, off = [], [], 0
+        for d, n in zip(chains, n_logits, strict=True):
+            at.append([off + j for j in range(n)] + [off + n - 1] * (width + 1 - n))
+            want.append(list(d) + [-1] * (width - len(d)))
+            off += n
+        pred = fwd.logits[:off].argmax(-1)[to_device(torch.tensor(at), dev)]  # [B, width + 1]
+        hit = pred[:, :width] == to_device(torch.tensor(want), dev)  # [B, width]
+        n_acc = hit.to(torch.int64).cumprod(1).sum(1)  # [B] leading drafts the target kept
+        bonus = pred.gather(1, n_acc[:, None]).squeeze(1)  # [B] the target's next token
+        pending = torch.tensor([len(f) - len(d) for f, d in zip(feeds, chains, strict=True)])
+        last = to_device(pending, dev) - 1 + n_acc  # [B] row of the last verified token
+        tables = [s.draft_table for s in batch]
+        assert all(t is not None for t in tables)
+        nxt = self.mtp.chain_after_verify(
+            tables,  # type: ignore[arg-type]
+            [c for _, c, _ in entries],
+            feeds,
+            fwd.all_hidden,
+            last,
+            bonus,
+            self.config.spec.num_draft_tokens,
+        )
+        return torch.cat([n_acc, bonus, nxt.flatten()])
 
     def _emit(self, s: _Seq, new: list[int]) -> None:
         """Append tokens one at a time, stopping at EOS / stop string / max_tokens: nothing

@@ -95,3 +95,61 @@ def test_cuda_matches_cpu_fp32(tmp_path: Path) -> None:
         torch.testing.assert_close(
             gpu.step(batch).wait(), cpu.step(batch).wait(), atol=1e-4, rtol=0
         )
+
+
+def _greedy_mtp_runs(device: str, wrap: object) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy answers of a tiny random decoder with a random MTP head, chains accepted on
+    the device (``wrap`` runs around every `_outcome_on_device`), and plain greedy ones."""
+    from tiny_llama import random_prompts, tiny_target
+
+    from rose.generate import GenerationConfig, GenerationEngine
+    from rose.sampling import SamplingParams
+    from rose.spec import SpecConfig
+    from rose.spec.mtp import MTPHead, MTPHeadConfig
+
+    target = tiny_target().to(device)
+    torch.manual_seed(5)
+    head = MTPHead(MTPHeadConfig.for_target(target.config)).eval().to(device)
+    prompts, params = random_prompts(7, 3), SamplingParams(max_tokens=12)
+    spec = SpecConfig(method="mtp", num_draft_tokens=3, device_chain="on")
+    eng = GenerationEngine(target, GenerationConfig(max_batch=2, spec=spec), mtp_head=head)
+    real = eng._outcome_on_device
+    eng._outcome_on_device = lambda *a: wrap(real, *a)  # type: ignore[method-assign,operator]
+    got = [r.output_ids for r in eng.generate(prompts, params)]
+    want = [r.output_ids for r in GenerationEngine(target).generate(prompts, params)]
+    return got, want
+
+
+def test_device_chain_reads_nothing_back_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CPU stand-in for the CUDA check below: no tensor is read into Python between the
+    # verification pass and the step's one read back.
+    def no_reads(real, *args):  # noqa: ANN001, ANN202
+        with monkeypatch.context() as m:
+            for name in ("tolist", "item", "__bool__", "__int__", "__float__"):
+                m.setattr(torch.Tensor, name, _refuse(name))
+            return real(*args)
+
+    got, want = _greedy_mtp_runs("cpu", no_reads)
+    assert got == want
+
+
+def _refuse(name: str):  # noqa: ANN202
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError(f"Tensor.{name} read a value back to the host")
+
+    return refuse
+
+
+@needs_cuda
+def test_device_chain_never_waits_for_the_gpu() -> None:
+    # Acceptance and the next chain queue behind the verification with no synchronizing
+    # CUDA call (blocking copies included): PyTorch raises on any in "error" mode.
+    def strict(real, *args):  # noqa: ANN001, ANN202
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    got, want = _greedy_mtp_runs("cuda", strict)
+    assert got == want

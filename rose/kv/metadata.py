@@ -13,7 +13,15 @@ from rose.kv.block_table import BlockTable
 if TYPE_CHECKING:
     from rose.attention.paged import PagedPlan
 
-__all__ = ["AttentionMetadata", "PageLists"]
+__all__ = ["AttentionMetadata", "PageLists", "to_device"]
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the work queued there: a blocking
+    copy to a GPU synchronizes its stream first (PyTorch's ``copy_`` waits for the copy, and
+    the stream runs everything queued before it). From pageable memory a non-blocking copy
+    is staged before it returns, so the host tensor may be dropped right away."""
+    return t.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -154,14 +162,14 @@ class AttentionMetadata:
             mask = mask[:, None]  # [B, 1, Lq, Lk]
 
         return AttentionMetadata(
-            positions=positions.to(device),
-            slot_mapping=slot_mapping.to(device),
-            q_index=q_index.to(device),
-            out_index=out_index.to(device),
-            kv_slots=kv_slots.to(device),
-            mask=None if mask is None else mask.to(device),
-            last_index=(cu[1:] - 1).to(device),
-            cu_seqlens=cu.to(device),
+            positions=to_device(positions, device),
+            slot_mapping=to_device(slot_mapping, device),
+            q_index=to_device(q_index, device),
+            out_index=to_device(out_index, device),
+            kv_slots=to_device(kv_slots, device),
+            mask=None if mask is None else to_device(mask, device),
+            last_index=to_device(cu[1:] - 1, device),
+            cu_seqlens=to_device(cu, device),
             pages=PageLists.of(entries),
         )
 
@@ -180,13 +188,13 @@ class AttentionMetadata:
         else:  # query i (position cached + i) sees keys 0 .. cached + i
             mask = (torch.arange(total)[None, :] <= positions[:, None])[None, None]
         return AttentionMetadata(
-            positions=positions.to(device),
-            slot_mapping=slots[cached:].to(device),
-            q_index=ar[None].to(device),
-            out_index=ar.to(device),
-            kv_slots=slots[None].to(device),
-            mask=None if mask is None else mask.to(device),
-            last_index=torch.tensor([new - 1], device=device),
-            cu_seqlens=torch.tensor([0, new], device=device),
+            positions=to_device(positions, device),
+            slot_mapping=to_device(slots[cached:], device),
+            q_index=to_device(ar[None], device),
+            out_index=to_device(ar, device),
+            kv_slots=to_device(slots[None], device),
+            mask=None if mask is None else to_device(mask, device),
+            last_index=to_device(torch.tensor([new - 1]), device),
+            cu_seqlens=to_device(torch.tensor([0, new]), device),
             pages=PageLists.of([(table, cached, new)]),
         )

@@ -26,7 +26,7 @@ from torch import nn
 from rose.kv.allocator import OutOfPages, PageAllocator
 from rose.kv.block_table import BlockTable
 from rose.kv.cache import PagedKVCache
-from rose.kv.metadata import AttentionMetadata, PageLists
+from rose.kv.metadata import AttentionMetadata, PageLists, to_device
 from rose.models.llama import (
     Block,
     LlamaConfig,
@@ -366,8 +366,8 @@ class MTPDrafter:
         dev = self.cache.k.device
         emb = self.target.tok_embeddings
         counts = [len(f) for f in fed]
-        starts = torch.tensor([sum(counts[:i]) for i in range(len(counts))], device=dev)
-        ids = torch.tensor([t for f in fed for t in (*f[1:], 0)], device=dev)  # [T]
+        starts = to_device(torch.tensor([sum(counts[:i]) for i in range(len(counts))]), dev)
+        ids = to_device(torch.tensor([t for f in fed for t in (*f[1:], 0)]), dev)  # [T]
         rows = starts + last_verified  # [B] flat row of each sequence's last verified pair
         ids = ids.index_put((rows,), bonus)
         entries = [(t, c, n) for t, c, n in zip(tables, cached, counts, strict=True)]
@@ -380,11 +380,11 @@ class MTPDrafter:
             slots = torch.zeros(b, max(reach), dtype=torch.int64)  # [B, Lk], padding slot 0
             for i, t in enumerate(tables):
                 slots[i, : reach[i]] = t.slots(0, reach[i])
-            slots = slots.to(dev)
+            slots = to_device(slots, dev)
             keys = torch.arange(slots.shape[1], device=dev)  # [Lk] key positions
             one = torch.arange(b, device=dev)
             pages = PageLists.of([(t, 0, r) for t, r in zip(tables, reach, strict=True)])
-            last = torch.tensor(list(cached), device=dev) + last_verified  # [B] positions
+            last = to_device(torch.tensor(list(cached)), dev) + last_verified  # [B] positions
             for step in range(1, k):
                 pos = last + step  # [B]
                 meta = AttentionMetadata(
