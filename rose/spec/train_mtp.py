@@ -46,8 +46,11 @@ position; bench/results/mtp_accept.md):
   lever that paid (512 → 1536 → 2560 prompts: 0.43 → 0.566 → 0.589 at 2 epochs).
 - now (the defaults; installed as the default head): the same corpus, 6 epochs: 0.686
   (0.430, 0.177, 0.083). The head was still under-trained at 3 (training loss per epoch
-  3.61, 2.47, 2.01, 1.71, 1.52, 1.42). Epochs take ~265 s on 2 idle threads, so answering
-  (962 s) plus 6 epochs stays under the 45 minutes; bf16 autocast trained only 1.27x
+  3.61, 2.47, 2.01, 1.71, 1.52, 1.42). One run of the default command from scratch (s7,
+  `--out` a new directory, the 8 held-out prompts excluded) on the idle 2-core machine:
+  42.8 min wall (answering 1011 s, training 1547 s, both on 2 threads), under the 45
+  minute rule, its weights bit for bit those of the 6-epoch run on the cached corpus (the
+  installed head). bf16 autocast trained only 1.27x
   faster (matrix products are ~70% of the time and oneDNN's bf16 ones were not much
   quicker here), so it was not pursued.
 
