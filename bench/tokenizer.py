@@ -242,7 +242,8 @@ def run(argv: list[str]) -> int:  # noqa: C901 - a linear script
         passes: dict[str, list[tuple[float, float]]] = {name: [] for name in libs}
         for _ in range(cfg.repeats):
             for name, (fn, _) in libs.items():
-                passes[name].append(_time(fn, texts, _rounds(cfg, len(texts))))
+                # a warm-up pass over the measured texts first, as at the Rust level
+                passes[name].append(_time(fn, texts, _rounds(cfg, len(texts)), warm_up=texts))
         for name, (_fn, agree) in libs.items():
             p50 = statistics.median(p[0] for p in passes[name])
             p99 = statistics.median(p[1] for p in passes[name])
@@ -445,9 +446,10 @@ def _write(
         "",
         "## Python level (single call, one thread)",
         "",
-        "Seen texts: three warm-up calls, then rounds over the same texts (every word of a text is in "
-        "HF's per-word cache from the second round on, and the trie nodes it needs are likely cached). "
-        "The unseen-text protocol follows below.",
+        "Seen texts: a warm-up pass over the measured texts (as at the Rust level), then rounds over "
+        "them (every word of a text is in HF's per-word cache, and the trie nodes it needs are likely "
+        "cached). Without that pass the first round, slower for every library, was a third of the "
+        "samples (tokenizer/DESIGN.md, sixth round). The unseen-text protocol follows below.",
         "",
         "| tokens | library | p50 µs | p99 µs | CPU p50 µs | ids == HF | HF p50 / p50 | HF CPU p50 / CPU p50 |",
         "|---:|---|---:|---:|---:|---:|---:|---:|",
