@@ -329,15 +329,10 @@ class GenerationEngine:
                 else:  # positions cached .. in feed order
                     new_feats = fwd.all_hidden[starts[i] : starts[i] + valid]
                 s.features = new_feats if s.features is None else torch.cat([s.features, new_feats])
-            self._emit(s, new)
-            outputs.append(StepOutput(s.seq_id, s.new_ids, s.finish_reason))
-            s.new_ids = []
+            outputs.append(self._emit(s, new))
         if any_drafts:
             self.stats.verify_s += verify_s
-        for s in batch:
-            if s.finish_reason is not None:
-                self._running.remove(s)
-                s.release()
+        self._retire_finished(batch)
         return outputs
 
     def generate(
@@ -516,15 +511,10 @@ class GenerationEngine:
             head.length = self.mtp.chain_room(cached, fed, k)
             head.truncate(cached + valid)  # pairs built from target features only
             s.next_drafts = back[2 * b + i * k : 2 * b + (i + 1) * k]
-            self._emit(s, d[:acc] + [tok])
-            outputs.append(StepOutput(s.seq_id, s.new_ids, s.finish_reason))
-            s.new_ids = []
+            outputs.append(self._emit(s, d[:acc] + [tok]))
         if any(chains):
             self.stats.verify_s += verify_s
-        for s in batch:
-            if s.finish_reason is not None:
-                self._running.remove(s)
-                s.release()
+        self._retire_finished(batch)
         return outputs
 
     def _outcome_on_device(
@@ -569,7 +559,21 @@ class GenerationEngine:
         )
         return torch.cat([n_acc, bonus, nxt.flatten()])
 
-    def _emit(self, s: _Seq, new: list[int]) -> None:
+    def _emit(self, s: _Seq, new: list[int]) -> StepOutput:
+        """Append ``new`` (`_append`) and hand out what ``s`` emitted this step."""
+        self._append(s, new)
+        out = StepOutput(s.seq_id, s.new_ids, s.finish_reason)
+        s.new_ids = []
+        return out
+
+    def _retire_finished(self, batch: list[_Seq]) -> None:
+        """Finished sequences leave the running set and return their pages."""
+        for s in batch:
+            if s.finish_reason is not None:
+                self._running.remove(s)
+                s.release()
+
+    def _append(self, s: _Seq, new: list[int]) -> None:
         """Append tokens one at a time, stopping at EOS / stop string / max_tokens: nothing
         after the finishing token of an accepted chain is emitted."""
         for tok in new:

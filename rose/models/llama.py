@@ -216,6 +216,20 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def _stacked_linear(*parts: nn.Module) -> nn.Linear:
+    """One frozen linear layer whose output is the given layers' outputs side by side (their
+    weights, and biases when they have them, stacked along the output dimension). The parts
+    may be `PackedLinear`s: their ``weight`` is the dense one."""
+    w = torch.cat([p.weight.detach() for p in parts])  # [sum out, in]
+    has_bias = getattr(parts[0], "bias", None) is not None
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=has_bias)
+    fused = fused.to(device=w.device, dtype=w.dtype).requires_grad_(False)
+    fused.weight.copy_(w)
+    if fused.bias is not None:
+        fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
+    return fused
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int) -> None:
         super().__init__()
@@ -235,14 +249,7 @@ class Attention(nn.Module):
         is ``[q | k | v]``: one product instead of three, for inference copies whose
         products are small enough that a call's fixed cost shows (a draft head's one-token
         steps). Loaded weights stay where they are until this is called."""
-        parts = (self.wq, self.wk, self.wv)
-        w = torch.cat([p.weight.detach() for p in parts])
-        fused = nn.Linear(w.shape[1], w.shape[0], bias=self.wq.bias is not None)
-        fused = fused.to(device=w.device, dtype=w.dtype).requires_grad_(False)
-        fused.weight.copy_(w)
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
-        self.wqkv = fused
+        self.wqkv = _stacked_linear(self.wq, self.wk, self.wv)
         del self.wq, self.wk, self.wv
 
     def forward(
@@ -294,14 +301,7 @@ class MLP(nn.Module):
     def fuse_gate_up(self) -> None:
         """Replace w_gate and w_up by one linear layer ``[2 I, H]`` whose output is
         ``[gate | up]`` (see `Attention.fuse_qkv`)."""
-        parts = (self.w_gate, self.w_up)
-        w = torch.cat([p.weight.detach() for p in parts])
-        fused = nn.Linear(w.shape[1], w.shape[0], bias=self.w_gate.bias is not None)
-        fused = fused.to(device=w.device, dtype=w.dtype).requires_grad_(False)
-        fused.weight.copy_(w)
-        if fused.bias is not None:
-            fused.bias.copy_(torch.cat([p.bias.detach() for p in parts]))
-        self.w_gate_up = fused
+        self.w_gate_up = _stacked_linear(self.w_gate, self.w_up)
         del self.w_gate, self.w_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
