@@ -41,6 +41,34 @@ def test_block_table_slots_reserve_truncate_release() -> None:
     assert a.num_free == 7 and t.length == 0
 
 
+def test_block_table_slots_follow_every_page_change() -> None:
+    """`slots` reads a cached tensor of every reserved slot: after each reserve, truncate and
+    release it must still equal the page formula, and a slice handed out earlier keeps its
+    values (the cache is replaced, never written in place)."""
+    a = PageAllocator(16)
+    t = BlockTable(a, 4)
+
+    def formula(start: int, end: int) -> list[int]:
+        return [t.pages[i // 4] * 4 + i % 4 for i in range(start, end)]
+
+    t.reserve(5)
+    first = t.slots(0, 5)
+    before = first.tolist()
+    assert before == formula(0, 5)
+    BlockTable(a, 4).reserve(4)  # t's next page is not the one after its last
+    t.reserve(13)
+    assert t.slots(0, 13).tolist() == formula(0, 13) and t.slots(6, 11).tolist() == formula(6, 11)
+    t.length = 13
+    t.truncate(6)
+    assert t.slots(0, 6).tolist() == formula(0, 6)
+    t.reserve(10)
+    assert t.slots(0, 10).tolist() == formula(0, 10)
+    t.release()
+    t.reserve(3)
+    assert t.slots(0, 3).tolist() == formula(0, 3)
+    assert first.tolist() == before
+
+
 def test_metadata_masks_ragged_batch() -> None:
     a = PageAllocator(16)
     t1, t2 = BlockTable(a, 2), BlockTable(a, 2)

@@ -9,7 +9,13 @@ import torch
 import transformers
 
 from rose.kv import AttentionMetadata, BlockTable, PageAllocator
-from rose.models.llama import LlamaConfig, LlamaForCausalLM
+from rose.models.llama import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    RopeTable,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 TOL = 1e-4  # max abs logit difference, fp32 CPU
 PAGE = 4
@@ -181,6 +187,28 @@ def test_decode_steps_equal_full_forward(name: str, tmp_path: Path) -> None:
         step += 1
     for g_, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.cat(g_), w, atol=TOL, rtol=0)
+
+
+def test_rope_table_looks_up_what_rope_cos_sin_computes() -> None:
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=100000.0,
+    )
+    inv = rope_inv_freq(cfg)
+    table = RopeTable(inv, 300, torch.float32)
+    pos = torch.tensor([0, 5, 299, 17, 17])
+    cos, sin = table(pos)
+    want_cos, want_sin = rope_cos_sin(inv, pos, torch.float32)
+    assert cos.shape == want_cos.shape == (5, 1, 16)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    with pytest.raises(IndexError):
+        table(torch.tensor([300]))
 
 
 def test_config_errors_name_the_key() -> None:

@@ -15,6 +15,10 @@ class BlockTable:
     pages: page ids in token order; token ``i`` lives in ``pages[i // page_size]`` at
         offset ``i % page_size``, i.e. flat slot ``pages[i // ps] * ps + i % ps``.
     length: tokens whose K/V are written (valid prefix); ``len(pages) * page_size >= length``.
+
+    Only these methods change ``pages``; `slots` reads from a tensor of every reserved
+    token's slot, rebuilt (never modified in place, so slices handed out stay valid) the
+    first time it is asked for after the pages changed.
     """
 
     def __init__(self, allocator: PageAllocator, page_size: int) -> None:
@@ -22,6 +26,7 @@ class BlockTable:
         self.page_size = page_size
         self.pages: list[int] = []
         self.length = 0
+        self._slots: torch.Tensor | None = None  # [capacity] int64, None when stale
 
     @property
     def capacity(self) -> int:
@@ -37,6 +42,7 @@ class BlockTable:
         need = self.pages_needed(num_tokens)
         if need:
             self.pages.extend(self.allocator.allocate(need))
+            self._slots = None
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` tokens; pages past them go back to the pool."""
@@ -47,17 +53,21 @@ class BlockTable:
         if keep < len(self.pages):
             self.allocator.free(self.pages[keep:])
             del self.pages[keep:]
+            self._slots = None
 
     def release(self) -> None:
         """Free every page (sequence finished)."""
         self.allocator.free(self.pages)
         self.pages = []
         self.length = 0
+        self._slots = None
 
     def slots(self, start: int, end: int) -> torch.Tensor:
         """Flat cache slots of tokens ``[start, end)`` as int64 ``[end - start]``."""
         if end > self.capacity:
             raise ValueError(f"tokens up to {end} exceed reserved capacity {self.capacity}")
-        pos = torch.arange(start, end, dtype=torch.int64)
-        pages = torch.tensor(self.pages, dtype=torch.int64)
-        return pages[pos // self.page_size] * self.page_size + pos % self.page_size
+        if self._slots is None:
+            pages = torch.tensor(self.pages, dtype=torch.int64)  # [P]
+            offsets = torch.arange(self.page_size, dtype=torch.int64)  # [page_size]
+            self._slots = (pages[:, None] * self.page_size + offsets).flatten()  # [capacity]
+        return self._slots[start:end]

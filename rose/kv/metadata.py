@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,22 +25,31 @@ def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-@dataclass(frozen=True)
 class PageLists:
-    """One pass's pages in FlashInfer's CSR form, as host tensors (int32), built with the
+    """One pass's pages in FlashInfer's CSR form, as host tensors (int32), recorded with the
     metadata so that a paged kernel is planned without reading anything back from the device.
 
     qo_indptr ``[B + 1]``: sequence ``b``'s new tokens are rows ``qo_indptr[b]:qo_indptr[b + 1]``.
     kv_indptr ``[B + 1]``: its pages are ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``.
     kv_indices ``[P]``: page ids, in token order per sequence.
     kv_last_page_len ``[B]``: tokens in each sequence's last page (1 .. page_size).
+
+    The lists are copied when the pass is built (tables change afterwards); the tensors are
+    made on first use, since only paged kernels read them and SDPA passes (every pass on
+    the CPU, a draft head's one-token steps among them) would pay four tensors each for
+    nothing.
     """
 
-    page_size: int
-    qo_indptr: torch.Tensor
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    kv_last_page_len: torch.Tensor
+    def __init__(
+        self,
+        page_size: int,
+        qo_indptr: Sequence[int],
+        kv_indptr: Sequence[int],
+        kv_indices: Sequence[int],
+        kv_last_page_len: Sequence[int],
+    ) -> None:
+        self.page_size = page_size
+        self._lists = (list(qo_indptr), list(kv_indptr), list(kv_indices), list(kv_last_page_len))
 
     @staticmethod
     def of(entries: Sequence[tuple[BlockTable, int, int]]) -> PageLists:
@@ -55,15 +65,27 @@ class PageLists:
             qo.append(qo[-1] + new)
             kv.append(kv[-1] + n)
             last.append(total - (n - 1) * page_size)
-        return PageLists(
-            page_size,
-            *(torch.tensor(xs, dtype=torch.int32) for xs in (qo, kv, pages, last)),
-        )
+        return PageLists(page_size, qo, kv, pages, last)
+
+    @cached_property
+    def qo_indptr(self) -> torch.Tensor:
+        return torch.tensor(self._lists[0], dtype=torch.int32)
+
+    @cached_property
+    def kv_indptr(self) -> torch.Tensor:
+        return torch.tensor(self._lists[1], dtype=torch.int32)
+
+    @cached_property
+    def kv_indices(self) -> torch.Tensor:
+        return torch.tensor(self._lists[2], dtype=torch.int32)
+
+    @cached_property
+    def kv_last_page_len(self) -> torch.Tensor:
+        return torch.tensor(self._lists[3], dtype=torch.int32)
 
     def lengths(self) -> list[tuple[int, int]]:
         """``(new tokens, keys)`` of every sequence."""
-        qo, kv = self.qo_indptr.tolist(), self.kv_indptr.tolist()
-        last = self.kv_last_page_len.tolist()
+        qo, kv, _, last = self._lists
         return [
             (qo[b + 1] - qo[b], (kv[b + 1] - kv[b] - 1) * self.page_size + last[b])
             for b in range(len(last))
@@ -82,6 +104,9 @@ class AttentionMetadata:
     slot_mapping: ``[T]`` flat cache slot each new token's K/V is written to.
     q_index: ``[B, Lq]`` index into ``[T]`` per padded query (padding points at token 0).
     out_index: ``[T]`` index into the flattened ``[B * Lq]`` padded output per new token.
+        With one sequence (B == 1) the padded view is the ragged one: q_index is
+        ``[[0 .. T-1]]`` and out_index ``[0 .. T-1]``, which attention layers rely on to skip
+        those two gathers.
     kv_slots: ``[B, Lk]`` cache slot per padded key (padding points at slot 0, masked).
     mask: ``[B, 1, Lq, Lk]`` bool, True where query may attend key; None when every query
         sees every key (single-token decode of equal lengths).

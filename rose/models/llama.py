@@ -41,6 +41,7 @@ __all__ = [
     "LlamaForCausalLM",
     "RopeScaling",
     "load_state_dict",
+    "RopeTable",
     "rope_cos_sin",
     "rope_inv_freq",
     "weight_name_map",
@@ -196,6 +197,28 @@ def rope_cos_sin(
     return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
+class RopeTable:
+    """`rope_cos_sin` of every position below ``size``, computed once: a pass then looks its
+    positions up with one index op instead of ~10 small ones, which a draft head's one-token
+    steps notice (the values are the same: each entry is computed as `rope_cos_sin` would).
+
+    table ``[size, 2, D]``: cos then sin of each position. A position past it raises
+    (IndexError on the CPU), so size it to the cache a model writes to: a sequence's
+    positions never exceed the cache's slots, one slot per token."""
+
+    def __init__(self, inv_freq: torch.Tensor, size: int, dtype: torch.dtype) -> None:
+        cos, sin = rope_cos_sin(inv_freq, torch.arange(size, device=inv_freq.device), dtype)
+        self.table = torch.cat([cos, sin], dim=1)  # [size, 2, D]
+
+    def __len__(self) -> int:
+        return int(self.table.shape[0])
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[T, 1, D]`` for positions ``[T]`` (views of one lookup)."""
+        both = self.table.index_select(0, positions)  # [T, 2, D]
+        return both[:, :1], both[:, 1:]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate halves: x ``[T, heads, D]``, cos/sin ``[T, 1, D]``."""
     half = x.shape[-1] // 2
@@ -211,6 +234,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32:  # the same ops without the two no-op casts
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -261,23 +286,27 @@ class Attention(nn.Module):
         cache: PagedKVCache,
     ) -> torch.Tensor:
         t = x.shape[0]
-        if self.wqkv is not None:
-            d_q, d_kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-            q, k, v = self.wqkv(x).split([d_q, d_kv, d_kv], dim=-1)
+        if self.wqkv is not None:  # q and k side by side: one rotation for both
+            d_qk = (self.n_heads + self.n_kv) * self.head_dim
+            qk, v = self.wqkv(x).split([d_qk, self.n_kv * self.head_dim], dim=-1)
+            qk = apply_rope(qk.view(t, self.n_heads + self.n_kv, self.head_dim), cos, sin)
+            q, k = qk.split([self.n_heads, self.n_kv], dim=1)  # [T, Hq, D], [T, Hkv, D]
         else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q = q.view(t, self.n_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
+            q = self.wq(x).view(t, self.n_heads, self.head_dim)  # [T, Hq, D]
+            k = self.wk(x).view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            v = self.wv(x)
         v = v.view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(self.layer, meta.slot_mapping, k, v)
         if meta.kernel is not None:  # a paged kernel reads the pages in place
             out = meta.kernel.run(q, *cache.pages(self.layer))  # [T, Hq, D]
             return self.wo(out.reshape(t, self.n_heads * self.head_dim))  # [T, H]
 
         keys, values = cache.gather(self.layer, meta.kv_slots)  # [B, Lk, Hkv, D]
-        queries = q[meta.q_index]  # [B, Lq, Hq, D]
         b, lq = meta.q_index.shape
+        # one sequence: the padded view is the ragged one (q_index [[0 .. T-1]], out_index
+        # [0 .. T-1]), so skip the two identity gathers
+        queries = q[None] if b == 1 else q[meta.q_index]  # [B, Lq, Hq, D]
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2),  # [B, Hq, Lq, D]
             keys.transpose(1, 2),  # [B, Hkv, Lk, D]
@@ -286,7 +315,7 @@ class Attention(nn.Module):
             enable_gqa=self.n_heads != self.n_kv,
         )  # [B, Hq, Lq, D]
         out = out.transpose(1, 2).reshape(b * lq, self.n_heads * self.head_dim)  # [B*Lq, Hq*D]
-        return self.wo(out[meta.out_index])  # [T, H]
+        return self.wo(out if b == 1 else out[meta.out_index])  # [T, H]
 
 
 class MLP(nn.Module):

@@ -32,7 +32,7 @@ from rose.models.llama import (
     LlamaConfig,
     LlamaForCausalLM,
     RMSNorm,
-    rope_cos_sin,
+    RopeTable,
     rope_inv_freq,
 )
 from rose.packed import PackedLinear, can_pack, pack_linears
@@ -175,7 +175,7 @@ class MTPHead(nn.Module):
         # target token id of each draft-vocabulary row (identity when drafting over all)
         n = cfg.draft_vocab_size or cfg.vocab_size
         self.register_buffer("draft_vocab", torch.arange(n, dtype=torch.int64))
-        self._inv_freq: torch.Tensor | None = None
+        self._rope_table: RopeTable | None = None  # built for the cache it writes to
 
     def lm_weight(self, target_output: torch.Tensor) -> torch.Tensor:
         """The rows of the target's LM head weight ``[V, H]`` the head drafts among."""
@@ -200,11 +200,24 @@ class MTPHead(nn.Module):
         """hidden (target features at t ``[T, feature_width]``, or the head's own output
         feature ``[T, H]`` when chaining), token_emb ``[T, H]`` (embedding of token t + 1)
         → feature ``[T, H]`` (normed; logits = target LM head of it)."""
-        if self._inv_freq is None or self._inv_freq.device != hidden.device:
-            self._inv_freq = rope_inv_freq(self.config.block_config()).to(hidden.device)
-        cos, sin = rope_cos_sin(self._inv_freq, meta.positions, hidden.dtype)
+        cos, sin = self._rope(cache, hidden)(meta.positions)
         x = self.block(self.fuse_inputs(hidden, token_emb), cos, sin, meta, cache)  # [T, H]
         return self.norm(x)
+
+    def _rope(self, cache: PagedKVCache, hidden: torch.Tensor) -> RopeTable:
+        """The rotary table for positions in ``cache`` (one per slot at most), rebuilt when
+        the cache, device or dtype changes."""
+        table = self._rope_table
+        slots = cache.k.shape[1]
+        if (
+            table is None
+            or len(table) < slots
+            or table.table.device != hidden.device
+            or table.table.dtype != hidden.dtype
+        ):
+            inv_freq = rope_inv_freq(self.config.block_config()).to(hidden.device)
+            table = self._rope_table = RopeTable(inv_freq, slots, hidden.dtype)
+        return table
 
     def fuse_inputs(self, hidden: torch.Tensor, token_emb: torch.Tensor) -> torch.Tensor:
         """The block's input ``[T, H]`` from a feature (target ``[T, feature_width]`` or own
