@@ -38,6 +38,11 @@ from rose.spec.tree import DraftTree, accept_greedy_tree, tree_metadata
 
 _NO_DRAFT: tuple[list[int], torch.Tensor | None] = ([], None)
 _MIN_LOGIT_ROWS = 4
+# On the CPU a pass over 2-3 new tokens costs more than one over 4 (SmolLM2-135M, one
+# thread: 48.4 and 47.5 ms against 45.4; oneDNN streams a weight slower at so few rows, and
+# padding every product instead costs ~600 small ops a pass), so such passes are topped up
+# to this many tokens with fillers (`_fillers`).
+_MIN_PASS_TOKENS = 4
 
 __all__ = [
     "CapacityError",
@@ -250,7 +255,13 @@ class GenerationEngine:
             total += len(feed)
             n_logits.append(len(d) + 1)
             idx.extend(range(total - len(d) - 1, total))  # the last len(d) + 1 fed tokens
-        meta = tree_metadata(AttentionMetadata.build(entries, device=self.device), tree_rows)
+        passed = list(entries)  # what the pass feeds: entries plus any fillers
+        fill = self._fillers(batch[-1], entries[-1], total)
+        if fill:  # after the last sequence's feed: attended by nothing real, never kept
+            table, cached, fed = entries[-1]
+            passed[-1] = (table, cached, fed + fill)
+            ids.extend([ids[-1]] * fill)
+        meta = tree_metadata(AttentionMetadata.build(passed, device=self.device), tree_rows)
         n_rows = len(idx)
         if self.device.type == "cpu" and 1 < n_rows < _MIN_LOGIT_ROWS:
             # On the CPU 2-3 rows times the big LM head cost more than 4 (MKL runs them
@@ -443,6 +454,23 @@ class GenerationEngine:
         self.stats.draft_s += time.perf_counter() - t0
         return out, trees
 
+    def _fillers(self, last: _Seq, entry: tuple[BlockTable, int, int], total: int) -> int:
+        """Filler tokens to append to a pass of ``total`` new tokens (`_MIN_PASS_TOKENS`),
+        fed after ``last``'s tokens: causal attention keeps them out of every real token's
+        view, their K/V land in ``last``'s cache past the tokens the step keeps (the table's
+        length never covers them; later tokens overwrite them), and no logits or features
+        are read from them. 0 off the CPU, for passes big enough, or when ``last``'s table
+        has no room for them."""
+        if self.device.type != "cpu" or not 1 < total < _MIN_PASS_TOKENS:
+            return 0
+        table, cached, fed = entry
+        fill = _MIN_PASS_TOKENS - total
+        try:
+            last.table.reserve(cached + fed + fill)
+        except OutOfPages:
+            return 0
+        return fill
+
     def _chain_on_device(
         self, batch: list[_Seq], drafts: dict[int, tuple[list[int], torch.Tensor | None]]
     ) -> bool:
@@ -552,7 +580,7 @@ class GenerationEngine:
             tables,  # type: ignore[arg-type]
             [c for _, c, _ in entries],
             feeds,
-            fwd.all_hidden,
+            fwd.all_hidden[: sum(len(f) for f in feeds)],  # without any fillers
             last,
             bonus,
             self.config.spec.num_draft_tokens,

@@ -127,6 +127,36 @@ def test_speculative_greedy_identical_to_plain_greedy(
     assert eng.allocator.num_free == cfg.kv.num_pages  # every page came back
 
 
+def test_short_passes_are_topped_up_with_fillers(
+    target: LlamaForCausalLM,
+    truncated: LlamaForCausalLM,
+    prompts: list[list[int]],
+    baseline: list[list[int]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU a pass over 2-3 new tokens (here: one draft each, verified alone at the
+    end of the run) is fed 4, the fillers after the last sequence's tokens; the output is
+    still plain greedy's and every page comes back."""
+    sizes: list[int] = []
+    real = target.forward
+
+    def spy(ids: torch.Tensor, *args: object, **kwargs: object) -> object:
+        sizes.append(ids.shape[0])
+        return real(ids, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(target, "forward", spy)
+    # different lengths, so that sequences leave the batch one by one and the last ones
+    # decode alone: one pending token and one draft, a pass of 2
+    params = [SamplingParams(max_tokens=4 + 4 * i) for i in range(6)]
+    spec = SpecConfig(method="draft", num_draft_tokens=1)
+    cfg = GenerationConfig(max_batch=4, spec=spec)
+    eng = GenerationEngine(target, cfg, drafter=truncated)
+    got = [r.output_ids for r in eng.generate(prompts[:6], params)]
+    assert got == [b[: p.max_tokens] for b, p in zip(baseline, params, strict=False)]
+    assert 4 in sizes and 2 not in sizes and 3 not in sizes, sorted(set(sizes))
+    assert eng.allocator.num_free == cfg.kv.num_pages
+
+
 def _chain_step(eng: GenerationEngine, prompt: list[int]) -> list[int]:
     """Run one prompt and return the first step that emitted >= 3 tokens."""
     eng.add(prompt, GREEDY)
