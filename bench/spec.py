@@ -149,6 +149,10 @@ MTP_METHODS: dict[str, dict[str, Any]] = {
     "mtp k=3": {"method": "mtp", "num_draft_tokens": 3},
     "mtp k=3 fp32 drafts": {"method": "mtp", "num_draft_tokens": 3, "draft_dtype": "float32"},
     "mtp k=2": {"method": "mtp", "num_draft_tokens": 2},
+    # a chain of up to 5 that stops once the head's probability for all of it is below 0.15
+    # (SpecConfig.chain_min_prob; the value chosen by `python -m bench chain_stop` on tuning
+    # prompts that are neither these nor the head's training prompts)
+    "mtp k=5 stop 0.15": {"method": "mtp", "num_draft_tokens": 5, "chain_min_prob": 0.15},
     # draft trees (rose.spec.tree): the chain plus the head's next best tokens as leaves,
     # 5 nodes in all, so a verification pass feeds 6 tokens (oneDNN's cheapest row count)
     "mtp tree k=2 widths 3,2": {"method": "mtp", "num_draft_tokens": 2, "tree_widths": (3, 2)},

@@ -441,7 +441,9 @@ class GenerationEngine:
                 )
                 owners.append((s, s.draft_table.length))
             spec = self.config.spec
-            proposals = self.mtp.propose(mreqs, spec.tree_widths, spec.tree_nodes)
+            proposals = self.mtp.propose(
+                mreqs, spec.tree_widths, spec.tree_nodes, spec.chain_min_prob
+            )
             for (s, before), r, (d, q, alts) in zip(owners, mreqs, proposals, strict=True):
                 if r.table.length > before:
                     s.features = None  # consumed into the head's cache
@@ -487,6 +489,7 @@ class GenerationEngine:
             or not wanted
             or spec.tree_widths
             or spec.tree_nodes
+            or spec.chain_min_prob
             or spec.adaptive_k
             or not all(s.params.greedy for s in batch)
         ):

@@ -141,6 +141,41 @@ def test_chains_accepted_on_the_device_equal_the_host_path(
     )
 
 
+def test_chains_stop_where_the_heads_probability_falls(
+    target: LlamaForCausalLM, trained: tuple[MTPHead, list[float]]
+) -> None:
+    """`spec.chain_min_prob`: the output stays plain greedy's; a stopped chain is a prefix
+    of the full one; the higher the bar, the shorter the chains (at 0.9999 nearly every
+    chain stops after its first draft)."""
+    head, _ = trained
+    prompts = random_prompts(20, 32)
+    base = [r.output_ids for r in GenerationEngine(target).generate(prompts, GREEDY)]
+    per_step: dict[float, float] = {}
+    for min_prob in (0.0, 0.3, 0.9999):
+        spec = SpecConfig(method="mtp", num_draft_tokens=4, chain_min_prob=min_prob)
+        eng = GenerationEngine(target, GenerationConfig(max_batch=16, spec=spec), mtp_head=head)
+        got = [r.output_ids for r in eng.generate(prompts, GREEDY)]
+        assert got == base, min_prob
+        assert eng.allocator.num_free == eng.config.kv.num_pages
+        per_step[min_prob] = eng.stats.drafted / eng.stats.steps
+    assert per_step[0.0] > per_step[0.3] > per_step[0.9999], per_step
+    assert per_step[0.0] > 3.5 and per_step[0.9999] < 1.5, per_step
+
+    drafter = MTPDrafter(head, target, PageAllocator(64), 16)
+    feats = target_features(target, prompts[:8])
+    stopped_early = 0
+    for prompt, feat, nxt in zip(prompts[:8], feats, base[:8], strict=True):
+        chains = {}
+        for min_prob in (0.0, 0.3):
+            table = drafter.new_table()
+            req = MTPDraftRequest(table, feat, [*prompt, nxt[0]], 6, GREEDY, None)
+            [(chains[min_prob], _, _)] = drafter.propose([req], min_prob=min_prob)
+            table.release()
+        assert len(chains[0.0]) == 6 and chains[0.3] == chains[0.0][: len(chains[0.3])]
+        stopped_early += len(chains[0.3]) < 6
+    assert stopped_early > 0
+
+
 def test_draft_dtype_setting(target: LlamaForCausalLM) -> None:
     head = MTPHead(MTPHeadConfig.for_target(target.config)).eval()
     assert resolve_draft_dtype("float32", head) == torch.float32
@@ -200,8 +235,8 @@ def test_head_with_a_draft_vocabulary_and_unrolled_training(
     original = eng.mtp.propose if eng.mtp is not None else None
     assert original is not None
 
-    def spy(reqs, widths=(), nodes=0):  # record every drafted token
-        out = original(reqs, widths, nodes)
+    def spy(reqs, *args):  # record every drafted token
+        out = original(reqs, *args)
         drafted.extend(t for d, _, _ in out for t in d)
         return out
 

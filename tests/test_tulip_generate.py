@@ -212,6 +212,10 @@ def test_generation_flags_and_env() -> None:
         ["--model", "m", "--spec", "mtp", "--mtp-head", "h", "--spec-tree-nodes", "5"], {}
     )
     assert (dynamic.spec_tree_nodes, dynamic.spec_tree_widths) == (5, ())
+    stop = TulipConfig.from_args(
+        ["--model", "m", "--spec", "mtp", "--mtp-head", "h"], {"TULIP_SPEC_CHAIN_MIN_PROB": "0.2"}
+    )
+    assert stop.spec_chain_min_prob == 0.2
 
 
 @pytest.mark.parametrize(
@@ -230,6 +234,24 @@ def test_generation_flags_and_env() -> None:
         (
             ["--spec", "mtp", "--mtp-head", "h", "--spec-tree-nodes", "4", "--spec-tree", "2"],
             "--spec-tree-nodes",
+        ),
+        (["--spec-chain-min-prob", "0.2"], "--spec-chain-min-prob"),
+        (
+            ["--spec", "mtp", "--mtp-head", "h", "--spec-chain-min-prob", "1"],
+            "--spec-chain-min-prob",
+        ),
+        (
+            [
+                "--spec",
+                "mtp",
+                "--mtp-head",
+                "h",
+                "--spec-chain-min-prob",
+                "0.2",
+                "--spec-tree",
+                "2",
+            ],
+            "--spec-chain-min-prob",
         ),
         (["--spec", "mtp", "--mtp-head", "h", "--spec-tree", "3,x"], "--spec-tree"),
         (["--spec", "mtp", "--mtp-head", "h", "--spec-tree", "3,0"], "--spec-tree"),

@@ -72,6 +72,10 @@ class TulipConfig:
     spec_tree_nodes: int = 0
     """``--spec mtp``: a dynamic draft tree of this many nodes picked by the head's own
     probabilities, up to ``--spec-draft-tokens`` deep (instead of ``--spec-tree``); 0: off."""
+    spec_chain_min_prob: float = 0.0
+    """``--spec mtp``, chains: stop a sequence's chain once the head's probability for all of
+    it falls below this, ``--spec-draft-tokens`` being the longest (`SpecConfig.chain_min_prob`);
+    0: fixed-length chains."""
     draft_model: str = ""
     """``--spec draft``: the drafter's model directory or asset name (same tokenizer)."""
     draft_layers: int = 0
@@ -140,6 +144,14 @@ class TulipConfig:
             raise ConfigError("--spec-tree-nodes is only used with --spec mtp")
         if self.spec_tree_nodes and self.spec_tree:
             raise ConfigError("--spec-tree-nodes (a dynamic tree) excludes --spec-tree")
+        if not 0.0 <= self.spec_chain_min_prob < 1.0:
+            raise ConfigError(
+                f"--spec-chain-min-prob must be in [0, 1), got {self.spec_chain_min_prob}"
+            )
+        if self.spec_chain_min_prob and self.spec != "mtp":
+            raise ConfigError("--spec-chain-min-prob is only used with --spec mtp")
+        if self.spec_chain_min_prob and (self.spec_tree or self.spec_tree_nodes):
+            raise ConfigError("--spec-chain-min-prob is for chains, not --spec-tree(-nodes)")
         widths = self.spec_tree_widths
         if len(widths) > self.spec_draft_tokens:
             raise ConfigError(
@@ -217,6 +229,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--spec-tree-nodes", type=int, help="--spec mtp: dynamic draft tree of N nodes (default 0)"
+    )
+    gen.add_argument(
+        "--spec-chain-min-prob",
+        type=float,
+        help="--spec mtp: stop a chain below this head probability (default 0: fixed length)",
     )
     gen.add_argument("--draft-model", help="--spec draft: drafter directory or asset name")
     gen.add_argument(

@@ -212,6 +212,7 @@ class GenerationBackend:
             num_draft_tokens=config.spec_draft_tokens,
             tree_widths=config.spec_tree_widths,
             tree_nodes=config.spec_tree_nodes,
+            chain_min_prob=config.spec_chain_min_prob,
         )
         k = spec.max_fed_drafts if config.spec != "none" else 0
         copies = 2 if config.spec in ("draft", "mtp") else 1

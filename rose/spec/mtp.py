@@ -423,7 +423,11 @@ class MTPDrafter:
 
     @torch.no_grad()
     def propose(
-        self, requests: list[MTPDraftRequest], widths: Sequence[int] = (), nodes: int = 0
+        self,
+        requests: list[MTPDraftRequest],
+        widths: Sequence[int] = (),
+        nodes: int = 0,
+        min_prob: float = 0.0,
     ) -> list[tuple[list[int], torch.Tensor | None, list[list[int]]]]:
         """Chains of drafts per request, their distributions ``q [k, V]`` (None for
         greedy requests, whose drafts are the head's argmax: q is one-hot at them) and, for
@@ -436,6 +440,10 @@ class MTPDrafter:
           probabilities (`rose.spec.tree.DynamicTree`): the chain grows only while its tip
           is likely enough for its children to make the cut, so an unsure head spends its
           nodes on alternatives at depth 1 and skips the head steps it would have wasted.
+
+        ``min_prob`` (greedy chains, without a tree): a chain stops growing once the head's
+        probability for all of it, the product of its drafts' probabilities, is below this;
+        its ``k`` is then the longest it may get (`SpecConfig.chain_min_prob`).
         """
         vocab = self.target.config.vocab_size
         emb = self.target.tok_embeddings
@@ -464,11 +472,22 @@ class MTPDrafter:
         # A greedy chain keeps its drafts on the device until the last step: each head step
         # feeds on the previous step's argmax there, and one read at the end brings the
         # whole chain back (on a GPU, no host synchronization between the head's steps).
-        on_device = not widths and not nodes and all(requests[i].params.greedy for i in live)
+        on_device = (
+            not widths
+            and not nodes
+            and not min_prob
+            and all(requests[i].params.greedy for i in live)
+        )
+        chain_prob = {i: 1.0 for i in live if min_prob and requests[i].params.greedy}
+        stopped: set[int] = set()  # chains whose probability fell below min_prob
         chain: list[tuple[list[int], torch.Tensor]] = []  # (live, [B] draft ids) per step
         for step in range(max((requests[i].k for i in live), default=0)):
             live = [
-                i for i in live if requests[i].k > step and (i not in dynamic or dynamic[i].grows)
+                i
+                for i in live
+                if requests[i].k > step
+                and (i not in dynamic or dynamic[i].grows)
+                and i not in stopped
             ]
             if not live:
                 break
@@ -495,11 +514,16 @@ class MTPDrafter:
                 continue
             width = nodes or (widths[step] if step < len(widths) else 1)
             probs: list[list[float]] = []
+            conf: list[float] = []
             if width > 1 or nodes:  # [B, width] target ids, best first, one sync
                 top = (torch.softmax(logits, -1) if nodes else logits).topk(width, dim=-1)
                 ranked = draft_vocab[top.indices].tolist()
                 probs = top.values.tolist() if nodes else []
                 best = [row[0] for row in ranked]
+            elif chain_prob:  # the head's probability of each best token, same sync
+                top = torch.softmax(logits, -1).max(-1)
+                ranked, conf = [], top.values.tolist()
+                best = draft_vocab[top.indices].tolist()
             else:
                 ranked = []
                 best = draft_vocab[logits.argmax(-1)].tolist()  # [B] target ids, one sync
@@ -512,6 +536,10 @@ class MTPDrafter:
                         dynamic[i].add(ranked[row], probs[row], can_grow=step + 1 < r.k)
                     elif widths:
                         alts[i].append(ranked[row][1:] if ranked else [])
+                    elif i in chain_prob:
+                        chain_prob[i] *= conf[row]
+                        if chain_prob[i] < min_prob:
+                            stopped.add(i)
                 else:  # sample within the draft vocabulary; q is zero outside it
                     q_sub = token_probs(logits[row : row + 1], r.params)  # [1, N]
                     j = int(sample(q_sub, r.params, r.generator)[0])
