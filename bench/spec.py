@@ -6,7 +6,10 @@ questions (held out from the head's training corpus) and retrieval-augmented pro
 answers quote the context (passages + a question asking for the passage's words). Each
 prompt is declared with a phrase its no-speculation answer contains, and every speculative
 run must reproduce the no-speculation greedy output token for token, so a fast but wrong run
-fails. Writes bench/results/spec.md (+ spec.png when matplotlib is installed).
+fails. The MTP chain bar is judged on the median speed-up over three rounds of the chain
+rows (the table's and two more of no speculation and the chains alone), since one run's
+ratio moves by several percent on this shared machine. Writes bench/results/spec.md (+
+spec.png when matplotlib is installed).
 
     python -m bench spec [--max-tokens=96] [--threads=1] [--mtp-head=DIR] [--train-head]
 
@@ -161,7 +164,9 @@ MTP_METHODS: dict[str, dict[str, Any]] = {
 }
 DRAFT_LAYERS = 6
 # (prompt set, method-name prefix) -> bar; "mtp k=" rows are chains, the issue's MTP bar
-BARS = {("chat", "mtp k="): 1.5, ("rag-quote", "ngram"): 1.8}
+CHAIN_PREFIX = "mtp k="
+BARS = {("chat", CHAIN_PREFIX): 1.5, ("rag-quote", "ngram"): 1.8}
+REPEAT_ROUNDS = 2  # extra rounds of the chain rows on chat, for the chain bar's median
 TREE_PREFIX = "mtp tree"
 
 
@@ -357,7 +362,27 @@ def main(argv: list[str]) -> int:
             if want not in tok.decode(out):
                 failures.append(f"{set_name}: an answer lacks the expected {want!r}")
 
-    _write(runs, failures, max_tokens, threads, head_path, costs)
+    # The chain bar sits within this machine's run-to-run spread (plain decoding alone moves
+    # by ~5% between runs), so it is judged on the median over rounds: the table's run plus
+    # REPEAT_ROUNDS more of the rows it compares, no speculation and every MTP chain, on the
+    # chat prompts (interleaved per prompt as before).
+    rounds: dict[str, list[float]] = {}
+    if head is not None:
+        chat_prompts = [p for p, _ in sets["chat"]]
+        chat_runs = [r for r in runs if r.prompt_set == "chat"]
+        chain_methods = [r.method for r in chat_runs if r.method.startswith(CHAIN_PREFIX)]
+        for r in chat_runs:
+            if r.method in chain_methods:
+                rounds[r.method] = [r.tokens_per_s / chat_runs[0].tokens_per_s]
+        for i in range(REPEAT_ROUNDS):
+            engines = {m: _engine(model, None, head, methods[m]) for m in ["none", *chain_methods]}
+            again = _run_set(engines, chat_prompts, max_tokens, f"chat round {i + 2}")
+            for r in again[1:]:
+                rounds[r.method].append(r.tokens_per_s / again[0].tokens_per_s)
+                if r.outputs != again[0].outputs:
+                    failures.append(f"chat round {i + 2}/{r.method}: output differs")
+
+    _write(runs, failures, max_tokens, threads, head_path, costs, rounds)
     for f in failures:
         print(f"FAIL {f}")
     return 1 if failures else 0
@@ -370,6 +395,7 @@ def _write(
     threads: int,
     head_dir: Path | None,
     costs: dict[int, float],
+    rounds: dict[str, list[float]],
 ) -> None:
     import transformers
 
@@ -413,6 +439,19 @@ def _write(
         if not cands:
             lines.append(f"- {kind.strip('= ')} on {pset}: not run (no trained head found)")
             continue
+        if kind == CHAIN_PREFIX and rounds:
+            med = {m: statistics.median(xs) for m, xs in rounds.items()}
+            top = max(med, key=lambda m: med[m])
+            verdict = "met" if med[top] >= bar else "NOT met"
+            spread = "; ".join(
+                f"{m}: {', '.join(f'{x:.2f}' for x in xs)}" for m, xs in rounds.items()
+            )
+            lines.append(
+                f"- mtp chains on {pset}: best {top}, median over {len(rounds[top])} rounds "
+                f"{med[top]:.2f}x vs bar {bar}x: {verdict} (speed-up per round, the table's "
+                f"first: {spread})"
+            )
+            continue
         best = max(cands, key=lambda r: r.tokens_per_s)
         x = best.tokens_per_s / base[pset]
         verdict = "met" if x >= bar else "NOT met"
@@ -421,7 +460,7 @@ def _write(
     trees = [r for r in runs if r.prompt_set == "chat" and r.method.startswith(TREE_PREFIX)]
     if trees:
         best = max(trees, key=lambda r: r.tokens_per_s)
-        chains = [r for r in runs if r.prompt_set == "chat" and r.method.startswith("mtp k=")]
+        chains = [r for r in runs if r.prompt_set == "chat" and r.method.startswith(CHAIN_PREFIX)]
         chain = max(chains, key=lambda r: r.tokens_per_s)
         lines.append(
             f"- draft trees on chat (welcome in the issue; the bar above is for chains): best "
