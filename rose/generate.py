@@ -256,7 +256,7 @@ class GenerationEngine:
             n_logits.append(len(d) + 1)
             idx.extend(range(total - len(d) - 1, total))  # the last len(d) + 1 fed tokens
         passed = list(entries)  # what the pass feeds: entries plus any fillers
-        fill = self._fillers(batch[-1], entries[-1], total)
+        fill = self._fillers(entries[-1], total)
         if fill:  # after the last sequence's feed: attended by nothing real, never kept
             table, cached, fed = entries[-1]
             passed[-1] = (table, cached, fed + fill)
@@ -456,19 +456,19 @@ class GenerationEngine:
         self.stats.draft_s += time.perf_counter() - t0
         return out, trees
 
-    def _fillers(self, last: _Seq, entry: tuple[BlockTable, int, int], total: int) -> int:
+    def _fillers(self, last: tuple[BlockTable, int, int], total: int) -> int:
         """Filler tokens to append to a pass of ``total`` new tokens (`_MIN_PASS_TOKENS`),
-        fed after ``last``'s tokens: causal attention keeps them out of every real token's
-        view, their K/V land in ``last``'s cache past the tokens the step keeps (the table's
-        length never covers them; later tokens overwrite them), and no logits or features
-        are read from them. 0 off the CPU, for passes big enough, or when ``last``'s table
-        has no room for them."""
+        fed after the last sequence's tokens (``last``: its table, cached and fed counts):
+        causal attention keeps them out of every real token's view, their K/V land in its
+        cache past the tokens the step keeps (the table's length never covers them; later
+        tokens overwrite them), and no logits or features are read from them. 0 off the
+        CPU, for passes big enough, or when the table has no room for them."""
         if self.device.type != "cpu" or not 1 < total < _MIN_PASS_TOKENS:
             return 0
-        table, cached, fed = entry
+        table, cached, fed = last
         fill = _MIN_PASS_TOKENS - total
         try:
-            last.table.reserve(cached + fed + fill)
+            table.reserve(cached + fed + fill)
         except OutOfPages:
             return 0
         return fill

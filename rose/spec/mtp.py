@@ -478,8 +478,8 @@ class MTPDrafter:
             and not min_prob
             and all(requests[i].params.greedy for i in live)
         )
+        # the head's probability for each greedy chain so far, when chains stop below min_prob
         chain_prob = {i: 1.0 for i in live if min_prob and requests[i].params.greedy}
-        stopped: set[int] = set()  # chains whose probability fell below min_prob
         chain: list[tuple[list[int], torch.Tensor]] = []  # (live, [B] draft ids) per step
         for step in range(max((requests[i].k for i in live), default=0)):
             live = [
@@ -487,7 +487,7 @@ class MTPDrafter:
                 for i in live
                 if requests[i].k > step
                 and (i not in dynamic or dynamic[i].grows)
-                and i not in stopped
+                and chain_prob.get(i, 1.0) >= min_prob
             ]
             if not live:
                 break
@@ -538,8 +538,6 @@ class MTPDrafter:
                         alts[i].append(ranked[row][1:] if ranked else [])
                     elif i in chain_prob:
                         chain_prob[i] *= conf[row]
-                        if chain_prob[i] < min_prob:
-                            stopped.add(i)
                 else:  # sample within the draft vocabulary; q is zero outside it
                     q_sub = token_probs(logits[row : row + 1], r.params)  # [1, N]
                     j = int(sample(q_sub, r.params, r.generator)[0])
