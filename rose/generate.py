@@ -489,7 +489,6 @@ class GenerationEngine:
             or not wanted
             or spec.tree_widths
             or spec.tree_nodes
-            or spec.chain_min_prob
             or spec.adaptive_k
             or not all(s.params.greedy for s in batch)
         ):
@@ -541,7 +540,7 @@ class GenerationEngine:
             assert head is not None
             head.length = self.mtp.chain_room(cached, fed, k)
             head.truncate(cached + valid)  # pairs built from target features only
-            s.next_drafts = back[2 * b + i * k : 2 * b + (i + 1) * k]
+            s.next_drafts = [t for t in back[2 * b + i * k : 2 * b + (i + 1) * k] if t >= 0]
             outputs.append(self._emit(s, d[:acc] + [tok]))
         if any(chains):
             self.stats.verify_s += verify_s
@@ -587,6 +586,7 @@ class GenerationEngine:
             last,
             bonus,
             self.config.spec.num_draft_tokens,
+            self.config.spec.chain_min_prob,
         )
         return torch.cat([n_acc, bonus, nxt.flatten()])
 

@@ -78,17 +78,21 @@ def test_trained_head_is_accepted_and_lossless(
     assert eng.allocator.num_free == eng.config.kv.num_pages
 
 
-@pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("draft_dtype", "min_prob"), [("float32", 0.0), ("bfloat16", 0.0), ("float32", 0.3)]
+)
 def test_chains_accepted_on_the_device_equal_the_host_path(
     target: LlamaForCausalLM,
     trained: tuple[MTPHead, list[float]],
     draft_dtype: str,
+    min_prob: float,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """`spec.device_chain` (accept on the device, draft the next chain in the same step,
     one read back) against the host path: the same outputs, drafts and acceptance, with
     requests joining mid-run (batch of 4 over 12 prompts), different max_tokens, an EOS
-    that ends chains early, and every page back in the pool at the end."""
+    that ends chains early, and every page back in the pool at the end; with
+    ``chain_min_prob`` the device's full chains cut where the host's stop."""
     head, _ = trained
     prompts = random_prompts(44, 12)
     params = [SamplingParams(max_tokens=6 + 5 * (i % 4)) for i in range(len(prompts))]
@@ -109,7 +113,11 @@ def test_chains_accepted_on_the_device_equal_the_host_path(
     runs = {}
     for device_chain in ("on", "off"):
         spec = SpecConfig(
-            method="mtp", num_draft_tokens=3, draft_dtype=draft_dtype, device_chain=device_chain
+            method="mtp",
+            num_draft_tokens=3,
+            draft_dtype=draft_dtype,
+            device_chain=device_chain,
+            chain_min_prob=min_prob,
         )
         eng = GenerationEngine(
             target, GenerationConfig(max_batch=4, spec=spec), mtp_head=head, eos_ids=[eos]
@@ -133,6 +141,13 @@ def test_chains_accepted_on_the_device_equal_the_host_path(
     assert got == want
     assert any(reason == "stop" for _, reason in got) and all(eos not in o for o, _ in got)
     assert st.drafted > 0 and st.accepted > 0
+    if min_prob:  # some chains stopped early: fewer drafts than fixed chains
+        spec = SpecConfig(method="mtp", num_draft_tokens=3, draft_dtype=draft_dtype)
+        fixed = GenerationEngine(
+            target, GenerationConfig(max_batch=4, spec=spec), mtp_head=head, eos_ids=[eos]
+        )
+        fixed.generate(prompts, params)
+        assert st.drafted < fixed.stats.drafted
     assert (st.steps, st.drafted, st.accepted, st.accepted_at) == (
         st_host.steps,
         st_host.drafted,

@@ -297,8 +297,6 @@ def test_config_errors_name_the_key(target: LlamaForCausalLM) -> None:
         SpecConfig(method="ngram", chain_min_prob=0.2)
     with pytest.raises(ValueError, match="spec.chain_min_prob"):
         SpecConfig(method="mtp", chain_min_prob=0.2, tree_nodes=4)
-    with pytest.raises(ValueError, match="spec.chain_min_prob"):
-        SpecConfig(method="mtp", chain_min_prob=0.2, device_chain="on")
     with pytest.raises(ValueError, match="generation.max_batch"):
         GenerationConfig(max_batch=0)
     with pytest.raises(ValueError, match="needs a drafter"):

@@ -97,9 +97,12 @@ def test_cuda_matches_cpu_fp32(tmp_path: Path) -> None:
         )
 
 
-def _greedy_mtp_runs(device: str, wrap: object) -> tuple[list[list[int]], list[list[int]]]:
+def _greedy_mtp_runs(
+    device: str, wrap: object, min_prob: float = 0.0
+) -> tuple[list[list[int]], list[list[int]]]:
     """Greedy answers of a tiny random decoder with a random MTP head, chains accepted on
-    the device (``wrap`` runs around every `_outcome_on_device`), and plain greedy ones."""
+    the device (``wrap`` runs around every `_outcome_on_device`; chains cut below
+    ``min_prob``), and plain greedy ones."""
     from tiny_llama import random_prompts, tiny_target
 
     from rose.generate import GenerationConfig, GenerationEngine
@@ -111,7 +114,7 @@ def _greedy_mtp_runs(device: str, wrap: object) -> tuple[list[list[int]], list[l
     torch.manual_seed(5)
     head = MTPHead(MTPHeadConfig.for_target(target.config)).eval().to(device)
     prompts, params = random_prompts(7, 3), SamplingParams(max_tokens=12)
-    spec = SpecConfig(method="mtp", num_draft_tokens=3, device_chain="on")
+    spec = SpecConfig(method="mtp", num_draft_tokens=3, device_chain="on", chain_min_prob=min_prob)
     eng = GenerationEngine(target, GenerationConfig(max_batch=2, spec=spec), mtp_head=head)
     real = eng._outcome_on_device
     eng._outcome_on_device = lambda *a: wrap(real, *a)  # type: ignore[method-assign,operator]
@@ -120,7 +123,10 @@ def _greedy_mtp_runs(device: str, wrap: object) -> tuple[list[list[int]], list[l
     return got, want
 
 
-def test_device_chain_reads_nothing_back_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("min_prob", [0.0, 0.02])
+def test_device_chain_reads_nothing_back_on_cpu(
+    monkeypatch: pytest.MonkeyPatch, min_prob: float
+) -> None:
     # The CPU stand-in for the CUDA check below: no tensor is read into Python between the
     # verification pass and the step's one read back.
     def no_reads(real, *args):  # noqa: ANN001, ANN202
@@ -129,7 +135,7 @@ def test_device_chain_reads_nothing_back_on_cpu(monkeypatch: pytest.MonkeyPatch)
                 m.setattr(torch.Tensor, name, _refuse(name))
             return real(*args)
 
-    got, want = _greedy_mtp_runs("cpu", no_reads)
+    got, want = _greedy_mtp_runs("cpu", no_reads, min_prob)
     assert got == want
 
 
@@ -141,7 +147,8 @@ def _refuse(name: str):  # noqa: ANN202
 
 
 @needs_cuda
-def test_device_chain_never_waits_for_the_gpu() -> None:
+@pytest.mark.parametrize("min_prob", [0.0, 0.02])
+def test_device_chain_never_waits_for_the_gpu(min_prob: float) -> None:
     # Acceptance and the next chain queue behind the verification with no synchronizing
     # CUDA call (blocking copies included): PyTorch raises on any in "error" mode.
     def strict(real, *args):  # noqa: ANN001, ANN202
@@ -151,5 +158,5 @@ def test_device_chain_never_waits_for_the_gpu() -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    got, want = _greedy_mtp_runs("cuda", strict)
+    got, want = _greedy_mtp_runs("cuda", strict, min_prob)
     assert got == want

@@ -359,6 +359,7 @@ class MTPDrafter:
         last_verified: torch.Tensor,
         bonus: torch.Tensor,
         k: int,
+        min_prob: float = 0.0,
     ) -> torch.Tensor:
         """Greedy chains of ``k`` drafts right after a verification pass, without reading
         its outcome back to the host: what is accepted stays on the device.
@@ -369,6 +370,9 @@ class MTPDrafter:
         and ``bonus[b]`` is the target's token after them. ``features [T, W]`` are the
         pass's target features in feed order. Returns the drafts ``[B, k]`` (target ids) on
         the device; the caller sets each table's length once it knows the outcome.
+        ``min_prob`` (`SpecConfig.chain_min_prob`): every chain still runs all ``k`` steps
+        (fixed shapes), then drafts past the first one at which the head's probability for
+        the chain falls below it are -1, the same chain the host path's early stop drafts.
 
         Step 0 feeds every fed row's pair (row r: feature r and token r + 1, the bonus at
         the last verified row) with fixed shapes, so no count from the device decides a
@@ -386,7 +390,8 @@ class MTPDrafter:
         entries = [(t, c, n) for t, c, n in zip(tables, cached, counts, strict=True)]
         meta = AttentionMetadata.build(entries, device=dev)
         feat = self.head(features, emb(ids), meta, self.cache)[rows]  # [B, H]
-        drafts = [self._best(feat)]  # [B] each
+        best, prob = self._best(feat, bool(min_prob))
+        drafts, probs = [best], [prob]  # [B] each
         if k > 1:
             b = len(tables)
             reach = [self.chain_room(c, n, k) for c, n in zip(cached, counts, strict=True)]
@@ -413,13 +418,28 @@ class MTPDrafter:
                     causal=False,
                 )
                 feat = self.head(feat, emb(drafts[-1]), meta, self.cache)  # [B, H]
-                drafts.append(self._best(feat))
-        return torch.stack(drafts, dim=1)  # [B, k]
+                best, prob = self._best(feat, bool(min_prob))
+                drafts.append(best)
+                probs.append(prob)
+        chains = torch.stack(drafts, dim=1)  # [B, k]
+        if not min_prob:
+            return chains
+        below = torch.stack(probs, dim=1).cumprod(1) < min_prob  # type: ignore[arg-type]
+        # a chain keeps its drafts through the first one below min_prob (argmax: first True)
+        stop = torch.where(below.any(1), below.to(torch.int64).argmax(1), k - 1)  # [B]
+        past = torch.arange(k, device=dev)[None, :] > stop[:, None]  # [B, k]
+        return chains.masked_fill(past, -1)
 
-    def _best(self, feat: torch.Tensor) -> torch.Tensor:
-        """The head's greedy token (target id) for features ``[B, H]``: ``[B]``."""
+    def _best(
+        self, feat: torch.Tensor, with_prob: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's greedy token (target id) for features ``[B, H]``: ``[B]``, and with
+        ``with_prob`` its probability ``[B]`` (as `propose` computes it), else None."""
         logits = self.lm_head(feat.to(self.dtype)).float()  # [B, N] over the draft vocabulary
-        return self.head.draft_vocab[logits.argmax(-1)]
+        if not with_prob:
+            return self.head.draft_vocab[logits.argmax(-1)], None
+        top = torch.softmax(logits, -1).max(-1)
+        return self.head.draft_vocab[top.indices], top.values
 
     @torch.no_grad()
     def propose(
