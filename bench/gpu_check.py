@@ -201,6 +201,13 @@ def _decoder_check(device: str = "cuda", dtype_name: str = "bfloat16", limit: in
         # the same chain accepted on the host, then drafted at the next step's start: the
         # tokens/s gap is what keeping acceptance on the device (spec.device_chain) saves
         methods["mtp k=3 host"] = {"method": "mtp", "num_draft_tokens": 3, "device_chain": "off"}
+        # chains cut where the head's confidence falls (on the device: all 5 head steps run,
+        # only the kept drafts are verified)
+        methods["mtp k=5 stop 0.15"] = {
+            "method": "mtp",
+            "num_draft_tokens": 5,
+            "chain_min_prob": 0.15,
+        }
         methods["mtp tree 3,2"] = {"method": "mtp", "num_draft_tokens": 2, "tree_widths": (3, 2)}
     failures = 0
     for name, spec in methods.items():
