@@ -223,6 +223,7 @@ def run(argv: list[str]) -> int:  # noqa: C901 - a linear script
     lines = corpus_lines()
     rows: list[dict[str, object]] = []
     texts_by_size: dict[int, list[str]] = {}
+    sets: dict[int, tuple[dict[str, tuple[Callable[[str], object], float]], float]] = {}
     for size in SIZES:
         count = cfg.texts_per_size if size <= 1024 else max(4, cfg.texts_per_size // (size // 1024))
         texts = _texts(hf, lines, size, count)
@@ -238,16 +239,28 @@ def run(argv: list[str]) -> int:  # noqa: C901 - a linear script
                 _agreement(lambda t: list(iree.encode(t)), bare, texts),
             ),
         }
-        tokens = statistics.mean(len(w) for w in want)
-        passes: dict[str, list[tuple[float, float]]] = {name: [] for name in libs}
-        for _ in range(cfg.repeats):
-            for name, (fn, _) in libs.items():
+        sets[size] = (libs, statistics.mean(len(w) for w in want))
+        (cfg.work / f"texts-{size}.jsonl").write_text(
+            "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8"
+        )
+    # Libraries alternate within each size, and sizes within each repeat, so that the
+    # machine's drift over the minutes this takes moves every library and size alike (the
+    # 16k / 512 ratio compares two sizes).
+    passes: dict[tuple[int, str], list[tuple[float, float, float]]] = {
+        (size, name): [] for size in SIZES for name in sets[size][0]
+    }
+    for _ in range(cfg.repeats):
+        for size in SIZES:
+            texts = texts_by_size[size]
+            for name, (fn, _) in sets[size][0].items():
                 # a warm-up pass over the measured texts first, as at the Rust level
-                passes[name].append(_time(fn, texts, _rounds(cfg, len(texts)), warm_up=texts))
+                passes[size, name].append(_time(fn, texts, _rounds(cfg, len(texts)), warm_up=texts))
+    for size in SIZES:
+        libs, tokens = sets[size]
         for name, (_fn, agree) in libs.items():
-            p50 = statistics.median(p[0] for p in passes[name])
-            p99 = statistics.median(p[1] for p in passes[name])
-            cpu = statistics.median(p[2] for p in passes[name])
+            p50 = statistics.median(p[0] for p in passes[size, name])
+            p99 = statistics.median(p[1] for p in passes[size, name])
+            cpu = statistics.median(p[2] for p in passes[size, name])
             rows.append(
                 {
                     "size": size,
@@ -263,9 +276,6 @@ def run(argv: list[str]) -> int:  # noqa: C901 - a linear script
                 f"{size:>6} {name:<15} p50 {p50:9.1f} us  p99 {p99:9.1f} us  cpu p50 {cpu:9.1f} us  ids==hf {agree:.0%}",
                 flush=True,
             )
-        (cfg.work / f"texts-{size}.jsonl").write_text(
-            "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8"
-        )
 
     # encode_batch throughput: 256 x 512 tokens, all cores vs one thread doing the same work.
     batch = (texts_by_size[512] * (256 // len(texts_by_size[512]) + 1))[:256]
@@ -394,11 +404,16 @@ def _rust_level(cfg: BenchConfig, path: Path) -> dict[str, object]:
         out["error"] = build.stderr[-1500:]
         return out
     exe = crate / "target" / "release" / "trellis-tokenizer-compare"
+    # sizes interleaved within each repeat, so that the machine's drift over the minutes
+    # this takes moves every size alike (the 16k / 512 ratio compares two of them)
+    files = {size: cfg.work / f"texts-{size}.jsonl" for size in SIZES}
+    counts = {size: len(f.read_text(encoding="utf-8").splitlines()) for size, f in files.items()}
+    runs: dict[int, list[object]] = {size: [] for size in SIZES}
+    for _ in range(cfg.repeats):
+        for size in SIZES:
+            runs[size].append(_compare(exe, path, files[size], _rounds(cfg, counts[size])))
     for size in SIZES:
-        texts = cfg.work / f"texts-{size}.jsonl"
-        n = len(texts.read_text(encoding="utf-8").splitlines())
-        runs = [_compare(exe, path, texts, _rounds(cfg, n)) for _ in range(cfg.repeats)]
-        out["sizes"][size] = [_median_run([r[k] for r in runs]) for k in (0, 1)]  # type: ignore[index]
+        out["sizes"][size] = [_median_run([r[k] for r in runs[size]]) for k in (0, 1)]  # type: ignore[index]
     # One ~512-token text repeated: every trie node it touches stays in cache, so the gap
     # to the distinct-text p50 is the time spent waiting on memory.
     first = (cfg.work / "texts-512.jsonl").read_text(encoding="utf-8").splitlines()[0]
@@ -488,7 +503,7 @@ def _write(
         f"Rust-level binary profile: LTO {os.environ.get('CARGO_PROFILE_RELEASE_LTO', 'fat (Cargo.toml)')}, "
         f"codegen-units {os.environ.get('CARGO_PROFILE_RELEASE_CODEGEN_UNITS', '1')}.",
         "Texts: distinct multilingual texts glued to the target size from corpus lines drawn at random (seeded per size) across all the corpus's sources; one thread per call; times in microseconds. "
-        f"Every p50/p99 is the median over {cfg.repeats} passes with the libraries alternating within each pass "
+        f"Every p50/p99 is the median over {cfg.repeats} passes with the libraries, and the sizes, alternating within each pass "
         "(batch: the median of alternating runs).",
         "",
         "## Python level (single call, one thread)",
