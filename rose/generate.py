@@ -556,8 +556,9 @@ class GenerationEngine:
         n_logits: list[int],
         fwd: DecoderOutput,
     ) -> torch.Tensor:
-        """Accepted counts ``[B]``, bonus tokens ``[B]`` and the next drafts ``[B * k]``, side
-        by side on the device, from a verification pass: nothing is read back and no copy
+        """Accepted counts ``[B]``, bonus tokens ``[B]`` and the next drafts ``[B * k]`` (-1
+        past where a chain stopped, `SpecConfig.chain_min_prob`), side by side on the
+        device, from a verification pass: nothing is read back and no copy
         waits for the device, so on a GPU the head's steps queue right behind the pass
         (`MTPDrafter.chain_after_verify`)."""
         assert self.mtp is not None and fwd.all_hidden is not None
