@@ -81,12 +81,7 @@ def main(argv: list[str]) -> int:
     head = MTPHead.load(head_dir)
     tok = transformers.AutoTokenizer.from_pretrained(path)
     texts = tuning_prompts(path / "tokenizer.json")
-    prompts = []
-    for t in texts:
-        ids: Any = tok.apply_chat_template(
-            [{"role": "user", "content": t}], add_generation_prompt=True
-        )
-        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    prompts = [bench_spec.chat_ids(tok, t) for t in texts]
 
     methods: dict[str, dict[str, Any]] = {
         "none": {"method": "none"},

@@ -169,7 +169,7 @@ def _decoder_check(device: str = "cuda", dtype_name: str = "bfloat16", limit: in
     import torch
     import transformers
 
-    from bench.spec import CHAT, _engine, _one
+    from bench.spec import CHAT, _engine, _one, chat_ids
     from rose.assets import model_dir
     from rose.models.llama import LlamaForCausalLM
     from rose.spec.mtp import MTPHead
@@ -180,12 +180,7 @@ def _decoder_check(device: str = "cuda", dtype_name: str = "bfloat16", limit: in
         print("\ndecoder: smollm2-135m-instruct not in the model cache; skipped")
         return 0
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    prompts = []
-    for question, _ in CHAT[: limit or None]:
-        ids = tok.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True
-        )
-        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    prompts = [chat_ids(tok, question) for question, _ in CHAT[: limit or None]]
     dtype = getattr(torch, dtype_name)
     paged = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)
     gathered = LlamaForCausalLM.from_pretrained(path, dtype=dtype, device=device)

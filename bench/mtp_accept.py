@@ -56,7 +56,7 @@ def evaluate_head(
 def main(argv: list[str]) -> int:
     import transformers
 
-    from bench.spec import CHAT
+    from bench.spec import CHAT, chat_ids
     from rose.assets import ensure_model
     from rose.generate import GenerationConfig, GenerationEngine
     from rose.models.llama import LlamaForCausalLM
@@ -79,12 +79,7 @@ def main(argv: list[str]) -> int:
     path = ensure_model("smollm2-135m-instruct")
     model = LlamaForCausalLM.from_pretrained(path)
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    prompts = []
-    for q, _ in CHAT:
-        ids: Any = tok.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True
-        )
-        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    prompts = [chat_ids(tok, q) for q, _ in CHAT]
     plain = GenerationEngine(
         model, GenerationConfig(max_batch=8), eos_ids=model.config.eos_token_ids
     )

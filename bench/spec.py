@@ -192,6 +192,15 @@ def _flag(argv: list[str], name: str, default: int) -> int:
     return default
 
 
+def chat_ids(tok: Any, text: str) -> list[int]:
+    """Token ids of ``text`` as one user message through the tokenizer's chat template,
+    ready for the assistant's answer (transformers returns a list or a BatchEncoding)."""
+    ids: Any = tok.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True
+    )
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
 def _engine(
     model: LlamaForCausalLM,
     drafter: LlamaForCausalLM | None,
@@ -332,15 +341,11 @@ def main(argv: list[str]) -> int:
         methods.update(MTP_METHODS)
     tok = transformers.AutoTokenizer.from_pretrained(path)
 
-    def chat(text: str) -> list[int]:
-        ids: Any = tok.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True
-        )
-        return list(ids if isinstance(ids, list) else ids["input_ids"])
-
     sets = {
-        "chat": [(chat(q), want) for q, want in CHAT],
-        "rag-quote": [(chat(f"Context:\n{c}\n\nQuestion: {q}"), want) for c, q, want in RAG_QUOTE],
+        "chat": [(chat_ids(tok, q), want) for q, want in CHAT],
+        "rag-quote": [
+            (chat_ids(tok, f"Context:\n{c}\n\nQuestion: {q}"), want) for c, q, want in RAG_QUOTE
+        ],
     }
     # warm-up (allocator, first-call kernels)
     _one(_engine(model, None, None, {"method": "none"}), sets["chat"][0][0], 4)
