@@ -131,6 +131,31 @@ def test_page_kind_is_reported(tok: Tokenizer) -> None:
     assert tok.page_kind in {"hugetlb", "thp", "normal"}
 
 
+def test_word_cache_size_changes_no_id(xlmr_path: str) -> None:
+    """The word cache (per tokenizer, 16,384 entries by default) only saves time: with it
+    off, at two entries (constant collisions) and at the default, ids agree with HF's, for
+    single calls, batches and pairs, twice over (the second pass hits the cache)."""
+    hf = tokenizers.Tokenizer.from_file(xlmr_path)
+    texts = [
+        f"the {w} and the {w}s, über {w} " * (1 + i % 5)
+        for i, w in enumerate(
+            ["cat", "Donaudampfschifffahrtsgesellschaft", "日本語", "ｆｕｌｌ", "naïve"] * 8
+        )
+    ]
+    want = [e.ids for e in hf.encode_batch(texts)]
+    toks = {n: Tokenizer.from_file(xlmr_path, word_cache=n) for n in (0, 2, 16384)}
+    assert {n: t.word_cache for n, t in toks.items()} == {0: 0, 2: 2, 16384: 16384}
+    assert Tokenizer.from_file(xlmr_path).word_cache == 16384
+    assert Tokenizer.from_file(xlmr_path, word_cache=1000).word_cache == 1024
+    for t in toks.values():
+        for _ in range(2):
+            assert [t.encode(x) for x in texts] == want
+            assert t.encode_batch(texts) == want
+            assert t.encode_pair(texts[0], texts[1]) == hf.encode(texts[0], texts[1]).ids
+    with pytest.raises(OverflowError):
+        Tokenizer.from_file(xlmr_path, word_cache=-1)
+
+
 def test_concurrent_threads_agree(tok: Tokenizer) -> None:
     texts = [("ärger über 日本 " * (1 + i % 7)) * 40 for i in range(64)]
     expected = [tok.encode(t) for t in texts]

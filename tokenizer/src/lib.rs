@@ -25,6 +25,7 @@ mod pages;
 mod tokenizer;
 mod trie;
 mod unigram;
+mod words;
 
 #[cfg(feature = "python")]
 mod python;
@@ -33,6 +34,7 @@ pub use error::Error;
 pub use pages::PageKind;
 pub use tokenizer::{Encoding, Scratch, Tokenizer};
 pub use unigram::{Unigram, ViterbiScratch};
+pub use words::DEFAULT_WORD_CACHE;
 
 #[cfg(test)]
 mod tests {

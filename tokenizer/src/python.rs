@@ -3,9 +3,10 @@
 //! Errors from the crate become `TokenizerError` (a `ValueError`) here and only here.
 //! Batch calls release the GIL and run on the calling thread plus one scoped thread per
 //! further core (`rayon::current_num_threads()`, so `RAYON_NUM_THREADS` caps them), each
-//! with its own [`Scratch`]; single calls release the GIL when the input is long.
+//! with its own [`Scratch`]; single calls release the GIL when the input is long. Each
+//! tokenizer keeps its own pool of grown scratches ([`Scratches`]), so that a scratch's
+//! word cache only ever holds one tokenizer's words.
 
-use std::cell::RefCell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -30,16 +31,33 @@ const RELEASE_GIL_BYTES: usize = 4096;
 /// 10 µs of work at ~0.4 GB/s, under what starting a thread and joining it costs.
 const PARALLEL_BYTES: usize = 4096;
 
-thread_local! {
-    /// Per-thread working memory, reused across calls on this thread.
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::new());
+/// One tokenizer's grown scratches, lent to whichever thread encodes with it and given
+/// back after the call: as many as threads have encoded at once, each reused from call to
+/// call (a thread-local scratch shared by all tokenizers would have its word cache emptied
+/// every time a thread switched between two of them).
+struct Scratches {
+    spares: Mutex<Vec<Scratch>>,
+    /// Word-cache entries of each new scratch ([`Scratch::with_word_cache`]).
+    word_cache: usize,
 }
 
-fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
-    SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut s) => f(&mut s),
-        Err(_) => f(&mut Scratch::new()),
-    })
+impl Scratches {
+    fn new(word_cache: usize) -> Self {
+        Self {
+            spares: Mutex::new(Vec::new()),
+            word_cache,
+        }
+    }
+
+    /// Runs `f` with a scratch of the pool (a new one when all are lent out).
+    fn with<R>(&self, f: impl FnOnce(&mut Scratch) -> R) -> R {
+        let lock = || self.spares.lock().unwrap_or_else(|e| e.into_inner());
+        let popped = lock().pop();
+        let mut s = popped.unwrap_or_else(|| Scratch::with_word_cache(self.word_cache));
+        let r = f(&mut s);
+        lock().push(s);
+        r
+    }
 }
 
 fn to_py(e: Error) -> PyErr {
@@ -98,17 +116,17 @@ type U32Array<'py> = Bound<'py, PyArray1<u32>>;
 /// worked). Here the caller starts at once and a fresh thread is placed on an idle core, so
 /// a batch is never slower than one thread doing it all. Spawning costs tens of µs, which
 /// batches that need several cores dwarf; `bytes` (the batch's text length) below
-/// [`PARALLEL_BYTES`] runs everything on the calling thread instead. The calling thread
-/// uses its thread-local scratch; the scoped threads borrow grown ones from `spares` and
-/// put them back, so a steady stream of batches does not regrow scratch every call.
+/// [`PARALLEL_BYTES`] runs everything on the calling thread instead. Every thread borrows
+/// a grown scratch from the tokenizer's pool and puts it back, so a steady stream of
+/// batches does not regrow scratch every call.
 fn on_all_cores<T: Send>(
     n: usize,
     bytes: usize,
-    spares: &Mutex<Vec<Scratch>>,
+    scratches: &Scratches,
     job: impl Fn(usize, &mut Scratch) -> T + Sync,
 ) -> Vec<T> {
     if bytes < PARALLEL_BYTES {
-        return with_scratch(|s| (0..n).map(|i| job(i, s)).collect());
+        return scratches.with(|s| (0..n).map(|i| job(i, s)).collect());
     }
     let slots: Vec<Mutex<Option<T>>> = (0..n).map(|_| Mutex::new(None)).collect();
     let next = AtomicUsize::new(0);
@@ -120,16 +138,11 @@ fn on_all_cores<T: Send>(
         let out = job(i, s);
         *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
     };
-    let lock = || spares.lock().unwrap_or_else(|e| e.into_inner());
     std::thread::scope(|scope| {
         for _ in 1..rayon::current_num_threads().min(n) {
-            scope.spawn(|| {
-                let mut s = lock().pop().unwrap_or_default();
-                run(&mut s);
-                lock().push(s);
-            });
+            scope.spawn(|| scratches.with(run));
         }
-        with_scratch(run);
+        scratches.with(run);
     });
     slots
         .into_iter()
@@ -158,14 +171,14 @@ fn total_bytes(texts: &[&str]) -> usize {
 /// Encodes `texts` in parallel into one flat id buffer plus per-text lengths.
 fn encode_packed(
     tok: &Tokenizer,
-    spares: &Mutex<Vec<Scratch>>,
+    scratches: &Scratches,
     texts: &[&str],
     add_special_tokens: bool,
     max_length: Option<usize>,
 ) -> Result<(Vec<u32>, Vec<u32>), Error> {
     let chunks = chunks_of(texts);
     let parts: Vec<Result<Packed, Error>> =
-        on_all_cores(chunks.len(), total_bytes(texts), spares, |i, s| {
+        on_all_cores(chunks.len(), total_bytes(texts), scratches, |i, s| {
             let mut ids = Vec::new();
             let mut lengths = Vec::with_capacity(chunks[i].len());
             let mut one = Vec::new();
@@ -190,23 +203,31 @@ fn encode_packed(
 #[pyclass(name = "Tokenizer", module = "tokenizer._native", frozen)]
 struct PyTokenizer {
     inner: Arc<Tokenizer>,
-    /// Grown scratches for the scoped threads of batch calls (see [`on_all_cores`]).
-    spares: Mutex<Vec<Scratch>>,
+    scratches: Scratches,
 }
 
 #[pymethods]
 impl PyTokenizer {
     /// Loads `path`; raises TokenizerError naming any unsupported component.
+    /// `word_cache`: entries (64 bytes each) of each scratch's cache of short words'
+    /// ids; 0 turns it off. Output is the same with any value.
     #[staticmethod]
-    fn from_file(py: Python<'_>, path: &str) -> PyResult<Self> {
+    #[pyo3(signature = (path, word_cache=crate::DEFAULT_WORD_CACHE))]
+    fn from_file(py: Python<'_>, path: &str, word_cache: usize) -> PyResult<Self> {
         let path = path.to_owned();
         let tok = py
             .detach(move || Tokenizer::from_file(&path))
             .map_err(to_py)?;
         Ok(Self {
             inner: Arc::new(tok),
-            spares: Mutex::new(Vec::new()),
+            scratches: Scratches::new(word_cache),
         })
+    }
+
+    /// Entries of each scratch's word cache (a power of two; 0: off).
+    #[getter]
+    fn word_cache(&self) -> usize {
+        Scratch::with_word_cache(self.scratches.word_cache).word_cache_entries()
     }
 
     /// Number of distinct tokens, added tokens included.
@@ -239,7 +260,7 @@ impl PyTokenizer {
     ) -> PyResult<Vec<u32>> {
         let tok = &*self.inner;
         let run = || {
-            with_scratch(|s| {
+            self.scratches.with(|s| {
                 let mut out = Vec::new();
                 tok.encode_into(text, add_special_tokens, max_length, s, &mut out)
                     .map(|()| out)
@@ -267,7 +288,7 @@ impl PyTokenizer {
         let chunks = chunks_of(&strs);
         type Part = Result<Vec<Vec<u32>>, Error>;
         let parts: Vec<Part> = py.detach(|| {
-            on_all_cores(chunks.len(), total_bytes(&strs), &self.spares, |i, s| {
+            on_all_cores(chunks.len(), total_bytes(&strs), &self.scratches, |i, s| {
                 chunks[i]
                     .iter()
                     .map(|t| {
@@ -297,7 +318,7 @@ impl PyTokenizer {
         let strs = as_strs(&items)?;
         let tok = &*self.inner;
         let (ids, lengths) = py
-            .detach(|| encode_packed(tok, &self.spares, &strs, add_special_tokens, max_length))
+            .detach(|| encode_packed(tok, &self.scratches, &strs, add_special_tokens, max_length))
             .map_err(to_py)?;
         Ok((PyArray1::from_vec(py, ids), PyArray1::from_vec(py, lengths)))
     }
@@ -313,7 +334,7 @@ impl PyTokenizer {
     ) -> PyResult<Vec<u32>> {
         let tok = &*self.inner;
         let run = || {
-            with_scratch(|s| {
+            self.scratches.with(|s| {
                 let mut out = Vec::new();
                 tok.encode_pair_into(a, b, add_special_tokens, max_length, s, &mut out)
                     .map(|_| out)
@@ -342,7 +363,7 @@ impl PyTokenizer {
         let bytes = total_bytes(&docs) + query.len() * docs.len();
         type Part = Result<(Vec<u32>, Vec<u32>, Vec<u32>), Error>;
         let parts: Vec<Part> = py.detach(|| {
-            on_all_cores(chunks.len(), bytes, &self.spares, |i, s| {
+            on_all_cores(chunks.len(), bytes, &self.scratches, |i, s| {
                 let (mut ids, mut lens, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
                 let mut one = Vec::new();
                 for d in chunks[i] {

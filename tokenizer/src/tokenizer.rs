@@ -5,7 +5,11 @@ use crate::error::Error;
 use crate::load::{Metaspace, PreTokenizer, Prepend, Spec, TemplateItem};
 use crate::normalizer::{normalize, Align, NormBuffers, Step};
 use crate::unigram::{Unigram, ViterbiScratch};
+use crate::words::{Probe, WordCache};
 use crate::PageKind;
+
+/// Source of [`Tokenizer::uid`]s: every tokenizer built in this process gets its own.
+static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// The Viterbi scratch is sized for pieces as long as the pre-tokenized text, up to this
 /// many bytes (~150 KiB of lattice), before the first piece: so a later text no longer than
@@ -30,6 +34,8 @@ pub struct Tokenizer {
     pair: Vec<TemplateItem>,
     decoder: Option<Metaspace>,
     vocab_size: usize,
+    /// Names this tokenizer to the word caches of the scratches it uses (never 0).
+    uid: u64,
 }
 
 /// Caller-owned working memory for [`Tokenizer`] calls; reuse one per thread.
@@ -45,12 +51,32 @@ pub struct Scratch {
     piece_offsets: Vec<(u32, u32)>,
     first: Vec<u32>,
     second: Vec<u32>,
+    words: WordCache,
 }
 
 impl Scratch {
-    /// An empty scratch; it grows on first use.
+    /// An empty scratch; it grows on first use, its word cache (see
+    /// [`Scratch::with_word_cache`]) to [`DEFAULT_WORD_CACHE`](crate::DEFAULT_WORD_CACHE)
+    /// entries.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// An empty scratch whose word cache holds `entries` pre-tokens (rounded up to a power
+    /// of two, 64 bytes each; 0 turns it off). The cache keeps the model's ids for short
+    /// pre-tokens (up to 27 bytes and 7 ids), so a word seen before skips the Viterbi
+    /// pass; it is allocated on first use and emptied when the scratch moves to another
+    /// tokenizer. Output is identical with any size.
+    pub fn with_word_cache(entries: usize) -> Self {
+        Self {
+            words: WordCache::with_capacity(entries),
+            ..Self::default()
+        }
+    }
+
+    /// Entries in this scratch's word cache (0: off).
+    pub fn word_cache_entries(&self) -> usize {
+        self.words.capacity()
     }
 }
 
@@ -137,6 +163,7 @@ impl Tokenizer {
             pair: spec.pair,
             decoder: spec.decoder,
             vocab_size,
+            uid: NEXT_UID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -234,7 +261,7 @@ impl Tokenizer {
             text,
             add_special_tokens,
             None,
-            &mut Scratch::new(),
+            &mut Scratch::with_word_cache(0),
             &mut out,
         )
         .expect("no truncation requested");
@@ -315,7 +342,7 @@ impl Tokenizer {
 
     /// Encodes `text` with byte offsets into it (allocating; not the hot path).
     pub fn encode_with_offsets(&self, text: &str, add_special_tokens: bool) -> Encoding {
-        let mut scratch = Scratch::new();
+        let mut scratch = Scratch::with_word_cache(0);
         let mut ids = Vec::new();
         let mut offsets = Vec::new();
         self.encode_content(
@@ -526,6 +553,7 @@ impl Tokenizer {
             pieces,
             viterbi,
             piece_offsets,
+            words,
             ..
         } = scratch;
         pre.clear();
@@ -565,12 +593,13 @@ impl Tokenizer {
             self.word(text, align, track, pre, pre_align, pieces);
         }
         viterbi.reserve(pre.len().min(VITERBI_RESERVE));
-        for &(ps, pe) in pieces.iter() {
-            if sink.full() {
-                break;
-            }
-            let piece = &pre[ps as usize..pe as usize];
-            if track {
+        if track {
+            // Calls that want offsets skip the word cache (its entries hold ids only).
+            for &(ps, pe) in pieces.iter() {
+                if sink.full() {
+                    break;
+                }
+                let piece = &pre[ps as usize..pe as usize];
                 piece_offsets.clear();
                 self.model
                     .encode_piece(piece, viterbi, sink.ids, Some(piece_offsets));
@@ -584,8 +613,31 @@ impl Tokenizer {
                         ));
                     }
                 }
-            } else {
-                self.model.encode_piece(piece, viterbi, sink.ids, None);
+            }
+            return;
+        }
+        words.claim(self.uid);
+        let key = |k: usize| pieces.get(k).map(|&(a, b)| &pre[a as usize..b as usize]);
+        let mut next_slot = key(0).and_then(|p| words.slot(p));
+        for (k, &(ps, pe)) in pieces.iter().enumerate() {
+            if sink.full() {
+                break;
+            }
+            let piece = &pre[ps as usize..pe as usize];
+            let slot = next_slot;
+            // The next pre-token's entry loads while this one is encoded.
+            next_slot = key(k + 1).and_then(|p| words.slot(p));
+            if let Some(s) = next_slot {
+                words.prefetch(s);
+            }
+            match words.probe_at(slot, piece) {
+                Probe::Hit(slot) => sink.ids.extend_from_slice(words.entry(slot).ids()),
+                Probe::Miss(slot) => {
+                    let first = sink.ids.len();
+                    self.model.encode_piece(piece, viterbi, sink.ids, None);
+                    words.store(slot, piece, &sink.ids[first..]);
+                }
+                Probe::Bypass => self.model.encode_piece(piece, viterbi, sink.ids, None),
             }
         }
     }

@@ -7,7 +7,8 @@
 //! shared with other jobs, a call of several milliseconds is almost always preempted, so
 //! its wall-clock time grows faster than its work. The warm-up pass runs over the measured
 //! texts, or over `WARMUP_JSONL` when given (then nothing measured was seen before its
-//! first round: per-word caches only help across documents). Under callgrind,
+//! first round: per-word caches only help across documents). `TRELLIS_WORD_CACHE=N` sets
+//! our scratch's word cache to N entries (0: off; default: the crate's). Under callgrind,
 //! `--toggle-collect=*measured_*` counts only the encode loops.
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -128,7 +129,11 @@ fn main() {
     let warmup = args.get(5).map_or_else(|| texts.clone(), |p| read(p));
     if which != "hf" {
         let tok = Tokenizer::from_file(json).unwrap();
-        let (mut s, mut out) = (Scratch::new(), Vec::new());
+        let mut s = match std::env::var("TRELLIS_WORD_CACHE") {
+            Ok(n) => Scratch::with_word_cache(n.parse().expect("TRELLIS_WORD_CACHE: entries")),
+            Err(_) => Scratch::new(),
+        };
+        let mut out = Vec::new();
         let mut times = Times {
             wall: Vec::with_capacity(texts.len() * rounds),
             cpu: Vec::with_capacity(texts.len() * rounds),
@@ -144,9 +149,9 @@ fn main() {
         }
         let allocs = ALLOCS.load(Ordering::Relaxed) - before;
         println!(
-            "{{\"impl\":\"ours\",\"texts\":{},\"tokens\":{},{},\"allocs_per_call\":{:.3},\"pages\":\"{}\"}}",
+            "{{\"impl\":\"ours\",\"texts\":{},\"tokens\":{},{},\"allocs_per_call\":{:.3},\"pages\":\"{}\",\"word_cache\":{}}}",
             texts.len(), tokens / texts.len(), times.json(),
-            allocs as f64 / (texts.len() * rounds) as f64, tok.page_kind()
+            allocs as f64 / (texts.len() * rounds) as f64, tok.page_kind(), s.word_cache_entries()
         );
     }
     if which != "ours" {
