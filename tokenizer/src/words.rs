@@ -12,17 +12,18 @@
 //!
 //! ```text
 //! entry (64 bytes, align 64)
-//! ┌──────────┬────────┬─────────────────────────────────┬─────────────────────┐
-//! │ key_len  │ n: ids │ key: [u8; 34]                   │ ids: [u32; 7]       │
-//! │ 0: empty │        │ the pre-token's bytes, 0-padded │ the model's ids     │
-//! └──────────┴────────┴─────────────────────────────────┴─────────────────────┘
-//! slot(key) = the top log2(capacity) bits of a multiplicative hash of the key and its length
+//! ┌──────────┬────────┬─────────────────────────────────┬────────────────┬───────┐
+//! │ key_len  │ n: ids │ key: [u8; 32]                   │ ids: [u32; 7]  │ 2 B   │
+//! │ 0: empty │        │ the pre-token's bytes (key_len) │ the model's    │ pad   │
+//! └──────────┴────────┴─────────────────────────────────┴────────────────┴───────┘
+//! slot(key) = the top log2(capacity) bits of a hash of the key and its length, read as
+//!             (overlapping) 4- or 8-byte words: a miss costs a few dozen instructions
 //! ```
 //!
 //! Invariants:
 //! * An entry with `key_len > 0` holds exactly the ids [`Unigram::encode_piece`] returns
 //!   for `key[..key_len]` *under the tokenizer [`WordCache::owner`] names*.
-//! * Only pre-tokens of 1..=34 bytes with at most 7 ids are stored; longer ones (and an
+//! * Only pre-tokens of 1..=32 bytes with at most 7 ids are stored; longer ones (and an
 //!   empty key, which marks a free slot) always miss.
 //! * Calls that want offsets do not use the cache (they are not the hot path).
 //! * A scratch used with another tokenizer than its cache's owner empties the cache first
@@ -33,7 +34,7 @@
 //! [`Unigram::encode_piece`]: crate::Unigram::encode_piece
 
 /// Longest pre-token (in bytes) an entry holds.
-pub(crate) const KEY_BYTES: usize = 34;
+pub(crate) const KEY_BYTES: usize = 32;
 /// Most ids an entry holds.
 pub(crate) const MAX_IDS: usize = 7;
 /// Entries in a scratch's cache unless the caller chooses (1 MiB).
@@ -138,7 +139,7 @@ impl WordCache {
             return None;
         }
         // The hash's top bits: `h * len / 2^64 < len`.
-        let h = hash(&pad(key), key.len()) as u128;
+        let h = hash(key) as u128;
         Some(((h * self.entries.len() as u128) >> 64) as usize)
     }
 
@@ -165,7 +166,7 @@ impl WordCache {
             return Probe::Bypass;
         };
         let e = &self.entries[slot];
-        if e.key_len as usize == key.len() && e.key == pad(key) {
+        if e.key_len as usize == key.len() && same(&e.key, key) {
             Probe::Hit(slot)
         } else {
             Probe::Miss(slot)
@@ -193,35 +194,75 @@ impl WordCache {
         let e = &mut self.entries[slot];
         e.key_len = key.len() as u8;
         e.n = ids.len() as u8;
-        e.key = pad(key);
+        e.key[..key.len()].copy_from_slice(key);
         e.ids[..ids.len()].copy_from_slice(ids);
     }
 }
 
-/// `key` zero-padded to an entry's key field (`key.len() <= KEY_BYTES`).
+/// Little-endian word of `k` at `i` (8 bytes; `i + 8 <= k.len()`).
 #[inline(always)]
-fn pad(key: &[u8]) -> [u8; KEY_BYTES] {
-    let mut k = [0u8; KEY_BYTES];
-    k[..key.len()].copy_from_slice(key);
-    k
+fn word8(k: &[u8], i: usize) -> u64 {
+    u64::from_le_bytes(k[i..i + 8].try_into().expect("8 bytes"))
 }
 
-/// A multiplicative hash of the padded key and its length (the length tells apart keys
-/// that differ only in trailing zero bytes).
+/// Little-endian word of `k` at `i` (4 bytes; `i + 4 <= k.len()`).
 #[inline(always)]
-fn hash(k: &[u8; KEY_BYTES], len: usize) -> u64 {
-    const M: u64 = 0x9E37_79B9_7F4A_7C15;
-    let word = |i: usize| {
-        let mut w = [0u8; 8];
-        let end = (i + 8).min(KEY_BYTES);
-        w[..end - i].copy_from_slice(&k[i..end]);
-        u64::from_le_bytes(w)
-    };
-    let mut h = (len as u64).wrapping_mul(M);
-    for i in [0, 8, 16, 24, 32] {
-        h = (h ^ word(i)).wrapping_mul(M).rotate_left(29);
+fn word4(k: &[u8], i: usize) -> u64 {
+    u32::from_le_bytes(k[i..i + 4].try_into().expect("4 bytes")) as u64
+}
+
+/// Two words that every byte of `k` (1..=32 bytes) contributes to, read as overlapping
+/// loads from both ends (for `n > 16` the middle words are mixed in).
+#[inline(always)]
+fn words(k: &[u8]) -> (u64, u64) {
+    let n = k.len();
+    match n {
+        0..=3 => {
+            let (a, b, c) = (k[0] as u64, k[n / 2] as u64, k[n - 1] as u64);
+            (a | b << 8 | c << 16, 0)
+        }
+        4..=7 => (word4(k, 0), word4(k, n - 4)),
+        8..=16 => (word8(k, 0), word8(k, n - 8)),
+        _ => (
+            word8(k, 0) ^ mix(word8(k, 8), 0xA076_1D64_78BD_642F),
+            word8(k, n - 8) ^ mix(word8(k, n - 16), 0xE703_7ED1_A0B4_28DB),
+        ),
     }
-    h.wrapping_mul(M)
+}
+
+/// 64 x 64 → 128-bit product, folded.
+#[inline(always)]
+fn mix(a: u64, b: u64) -> u64 {
+    let r = a as u128 * b as u128;
+    (r as u64) ^ (r >> 64) as u64
+}
+
+/// A hash of the key and its length (keys of 1..=32 bytes).
+#[inline(always)]
+fn hash(k: &[u8]) -> u64 {
+    let (a, b) = words(k);
+    mix(
+        a ^ 0x8EBC_6AF0_9C88_C6E3 ^ k.len() as u64,
+        b ^ 0x5899_65CC_7537_4CC3,
+    )
+}
+
+/// Whether `stored[..key.len()] == key` (`key` is 1..=32 bytes), with the same
+/// overlapping loads as the hash.
+#[inline(always)]
+fn same(stored: &[u8; KEY_BYTES], key: &[u8]) -> bool {
+    let n = key.len();
+    let s = &stored[..n];
+    match n {
+        0..=7 => s == key,
+        8..=16 => word8(s, 0) == word8(key, 0) && word8(s, n - 8) == word8(key, n - 8),
+        _ => {
+            word8(s, 0) == word8(key, 0)
+                && word8(s, 8) == word8(key, 8)
+                && word8(s, n - 16) == word8(key, n - 16)
+                && word8(s, n - 8) == word8(key, n - 8)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -242,6 +283,24 @@ mod tests {
         assert_eq!(c.entry(s).ids(), &[7, 9]);
         // A prefix (same padded bytes but for the length) is another key.
         assert!(!matches!(c.probe(b"\xe2\x96\x81hell"), Probe::Hit(_)));
+    }
+
+    #[test]
+    fn keys_differing_in_any_one_byte_are_different() {
+        for n in 1..=KEY_BYTES {
+            let key: Vec<u8> = (0..n as u8)
+                .map(|i| i.wrapping_mul(37).wrapping_add(1))
+                .collect();
+            let mut stored = [0u8; KEY_BYTES];
+            stored[..n].copy_from_slice(&key);
+            assert!(same(&stored, &key), "{n} bytes");
+            for i in 0..n {
+                let mut other = key.clone();
+                other[i] ^= 0x40;
+                assert!(!same(&stored, &other), "{n} bytes, byte {i}");
+                assert_ne!(hash(&key), hash(&other), "{n} bytes, byte {i}");
+            }
+        }
     }
 
     #[test]
