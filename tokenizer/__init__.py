@@ -2,7 +2,10 @@
 
 Loads a Hugging Face ``tokenizer.json`` whose model is Unigram (XLM-R and friends) and
 produces exactly the ids Hugging Face ``tokenizers`` produces, several times faster.
-Batch calls release the GIL and run in parallel.
+Batch calls release the GIL and run in parallel. Like HF's, the tokenizer keeps a cache of
+short words' ids (16,384 entries per working buffer, 1 MiB), so repeated words skip the
+Viterbi pass; ``Tokenizer.from_file(path, word_cache=0)`` turns it off, and no size changes
+any id.
 
 >>> from tokenizer import Tokenizer
 >>> tok = Tokenizer.from_file("tokenizer.json")  # doctest: +SKIP
