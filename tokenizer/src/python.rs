@@ -45,7 +45,8 @@ impl Scratches {
     fn new(word_cache: usize) -> Self {
         Self {
             spares: Mutex::new(Vec::new()),
-            word_cache,
+            // as the scratches will round it (a power of two; 0: off)
+            word_cache: Scratch::with_word_cache(word_cache).word_cache_entries(),
         }
     }
 
@@ -227,7 +228,7 @@ impl PyTokenizer {
     /// Entries of each scratch's word cache (a power of two; 0: off).
     #[getter]
     fn word_cache(&self) -> usize {
-        Scratch::with_word_cache(self.scratches.word_cache).word_cache_entries()
+        self.scratches.word_cache
     }
 
     /// Number of distinct tokens, added tokens included.

@@ -64,7 +64,7 @@ impl Scratch {
 
     /// An empty scratch whose word cache holds `entries` pre-tokens (rounded up to a power
     /// of two, 64 bytes each; 0 turns it off). The cache keeps the model's ids for short
-    /// pre-tokens (up to 27 bytes and 7 ids), so a word seen before skips the Viterbi
+    /// pre-tokens (up to 32 bytes and 7 ids), so a word seen before skips the Viterbi
     /// pass; it is allocated on first use and emptied when the scratch moves to another
     /// tokenizer. Output is identical with any size.
     pub fn with_word_cache(entries: usize) -> Self {

@@ -1,21 +1,23 @@
 //! A per-scratch cache of the Unigram model's output for short pre-tokens.
 //!
 //! The Viterbi pass is a pure function of one pre-token's bytes (the lattice never looks
-//! past the pre-token), and running text repeats its words: in the benchmark's multilingual
-//! corpus most pre-tokens of a fresh text are words some earlier text used. A hit replaces
-//! the pre-token's trie walks (one node load per character matched from every start,
-//! each a likely cache miss) by one load of a 64-byte entry. HF `tokenizers` keeps a
-//! per-word cache for the same reason (10,000 entries by default).
+//! past the pre-token), and text repeats its words: within a document, across the documents
+//! a reranker scores for many queries, across queries. A hit replaces the pre-token's trie
+//! walks (one node load per character matched from every start, each a likely cache miss)
+//! by one load of a 64-byte entry. HF `tokenizers` keeps a per-word cache for the same
+//! reason (10,000 entries by default). On fresh multilingual text, where only about a third
+//! of the words were seen before, the cache measures within noise of none (DESIGN.md,
+//! seventh round).
 //!
 //! Layout: a direct-mapped table of `capacity` (a power of two) entries, one cache line
 //! each:
 //!
 //! ```text
 //! entry (64 bytes, align 64)
-//! ┌──────────┬────────┬─────────────────────────────────┬────────────────┬───────┐
-//! │ key_len  │ n: ids │ key: [u8; 32]                   │ ids: [u32; 7]  │ 2 B   │
-//! │ 0: empty │        │ the pre-token's bytes (key_len) │ the model's    │ pad   │
-//! └──────────┴────────┴─────────────────────────────────┴────────────────┴───────┘
+//! ┌──────────┬────────┬─────────────────────────────────┬───────┬─────────────────────┐
+//! │ key_len  │ n: ids │ key: [u8; 32]                   │ 2 B   │ ids: [u32; 7]       │
+//! │ 0: empty │        │ the pre-token's bytes (key_len) │ pad   │ the model's ids (n) │
+//! └──────────┴────────┴─────────────────────────────────┴───────┴─────────────────────┘
 //! slot(key) = the top log2(capacity) bits of a hash of the key and its length, read as
 //!             (overlapping) 4- or 8-byte words: a miss costs a few dozen instructions
 //! ```
@@ -58,6 +60,7 @@ const EMPTY: Entry = Entry {
 };
 
 const _: () = assert!(std::mem::size_of::<Entry>() == 64);
+const _: () = assert!(std::mem::offset_of!(Entry, ids) == 36);
 
 impl Entry {
     /// The cached ids.
