@@ -44,8 +44,6 @@ MIN_SAMPLES = 40
 UNSEEN_TEXTS = 240
 # the binding with its per-word cache off: the engine alone, reported beside the default
 NO_CACHE = "trellis, no word cache"
-# the binding's default word cache (entries), named for the compare binary
-DEFAULT_WORD_CACHE = 16384
 UNSEEN_SEED = 512_000_003
 # fresh ~16k-token texts, each encoded once: the 16k / 512 ratio without repetition across
 # calls (which the seen protocol has, and which a per-word cache turns into speed)
@@ -362,6 +360,7 @@ def run(argv: list[str]) -> int:  # noqa: C901 - a linear script
         np.__version__,
         tokenizers.__version__,
         unseen_rows,
+        ours.word_cache,
     )
     return 0
 
@@ -470,7 +469,7 @@ def _rust_level(cfg: BenchConfig, path: Path) -> dict[str, object]:
     long_runs, long_bare = [], []
     for i in range(UNSEEN_CHUNKS):
         fresh = cfg.work / f"texts-16384-unseen-{i}.jsonl"
-        long_runs += _compare(exe, path, fresh, 1, warm_up, word_cache=DEFAULT_WORD_CACHE)
+        long_runs += _compare(exe, path, fresh, 1, warm_up, which="ours")
         long_bare += _compare(exe, path, fresh, 1, warm_up, word_cache=0)
     out["unseen_16k"] = _median_run(long_runs)
     out["unseen_16k_no_cache"] = _median_run(long_bare)
@@ -513,10 +512,12 @@ def _compare(
     rounds: int,
     warm_up: Path | None = None,
     word_cache: int | None = None,
+    which: str = "both",
 ) -> list[dict[str, object]]:
-    """One run of the compare binary on both libraries: its JSON line per library. With
-    `word_cache`, ours alone with its word cache at that many entries (0: off)."""
-    which = "both" if word_cache is None else "ours"
+    """One run of the compare binary: its JSON line per library (`which`: both, ours or
+    hf). With `word_cache`, ours alone with its word cache at that many entries (0: off)."""
+    if word_cache is not None:
+        which = "ours"
     argv = [str(exe), str(path), str(texts), which, str(rounds)]
     if warm_up is not None:
         argv.append(str(warm_up))
@@ -545,6 +546,7 @@ def _write(
     np_version: str,
     hf_version: str,
     unseen: dict[str, tuple[float, float, float]],
+    word_cache: int,
 ) -> None:
     import matplotlib
 
@@ -607,7 +609,7 @@ def _write(
         f"The engine alone (word cache off), seen texts, wall-clock p50 at ~512 tokens: {t512['hf tokenizers'] / bare512:.1f}× "
         f"HF tokenizers, {t512['sentencepiece'] / bare512:.1f}× sentencepiece, {t512['iree-tokenizer'] / bare512:.1f}× iree-tokenizer; "
         f"16k-token / 512-token {float(by[(16384, NO_CACHE)]['p50']) / bare512:.1f}×. "  # type: ignore[arg-type]
-        "Both trellis and HF tokenizers keep a per-word cache by default (ours: 16,384 entries per scratch; HF: 10,000); "
+        f"Both trellis and HF tokenizers keep a per-word cache by default (ours: {word_cache:,} entries per scratch; HF: 10,000); "
         "sentencepiece and iree-tokenizer have none.",
     ]
     u = unseen
