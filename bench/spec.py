@@ -148,14 +148,21 @@ METHODS: dict[str, dict[str, Any]] = {
     "draft 6L k=3": {"method": "draft", "num_draft_tokens": 3},
 }
 MTP_METHODS: dict[str, dict[str, Any]] = {
-    # drafts in bf16 where the CPU has fast bf16 products (SpecConfig.draft_dtype="auto")
+    # drafts with int4 weights and bf16 activations into them where PyTorch has the CPU int4
+    # kernel, else bf16 where the CPU has fast bf16 products (SpecConfig.draft_dtype="auto")
     "mtp k=3": {"method": "mtp", "num_draft_tokens": 3},
-    "mtp k=3 fp32 drafts": {"method": "mtp", "num_draft_tokens": 3, "draft_dtype": "float32"},
     "mtp k=2": {"method": "mtp", "num_draft_tokens": 2},
     # a chain of up to 5 that stops once the head's probability for all of it is below 0.15
     # (SpecConfig.chain_min_prob; the value chosen by `python -m bench chain_stop` on tuning
     # prompts that are neither these nor the head's training prompts)
     "mtp k=5 stop 0.15": {"method": "mtp", "num_draft_tokens": 5, "chain_min_prob": 0.15},
+    # the same with the head's weights in bf16 (what "auto" chose before int4 drafts)
+    "mtp k=5 stop 0.15 bf16 drafts": {
+        "method": "mtp",
+        "num_draft_tokens": 5,
+        "chain_min_prob": 0.15,
+        "draft_dtype": "bfloat16",
+    },
     # draft trees (rose.spec.tree): the chain plus the head's next best tokens as leaves,
     # 5 nodes in all, so a verification pass feeds 6 tokens (oneDNN's cheapest row count)
     "mtp tree k=2 widths 3,2": {"method": "mtp", "num_draft_tokens": 2, "tree_widths": (3, 2)},
@@ -520,9 +527,10 @@ def _write(
         "- drafter for draft-target: the target's first "
         f"{DRAFT_LAYERS} of 30 layers + its norm and head (weights shared, no training)",
         f"- MTP/EAGLE head: {_head_note(head_dir)}",
-        "- MTP draft precision: the head's linear layers and LM-head rows in bf16 under fp32 "
-        "activations, cache and attention (`SpecConfig.draft_dtype='auto'` on a CPU with "
-        "AVX512-BF16), except the 'fp32 drafts' row; verification is always the fp32 target",
+        "- MTP draft precision (`SpecConfig.draft_dtype='auto'`): the head's linear layers and "
+        "LM-head rows hold int4 weights (groups of 32, `rose.quant`) with bf16 activations going "
+        "into them, under fp32 norms, cache and attention; the 'bf16 drafts' row keeps bf16 "
+        "weights; verification is always the fp32 target",
     ]
     png = _plot(runs, base)
     if png:

@@ -31,7 +31,7 @@ from rose.sampling import FinishReason, SamplingParams, StopChecker, token_probs
 from rose.spec.acceptance import accept_deterministic, accept_drafts, accept_greedy
 from rose.spec.config import SpecConfig
 from rose.spec.draft_model import DraftRequest, ModelDrafter
-from rose.spec.mtp import MTPDrafter, MTPDraftRequest, MTPHead, draft_dtype
+from rose.spec.mtp import MTPDrafter, MTPDraftRequest, MTPHead, draft_dtype, draft_int4
 from rose.spec.ngram import NgramDrafter
 from rose.spec.stats import SpecStats
 from rose.spec.tree import DraftTree, accept_greedy_tree, tree_metadata
@@ -152,8 +152,10 @@ class GenerationEngine:
         self.ngram: NgramDrafter | None = None
         self.mtp: MTPDrafter | None = None
         if config.spec.method == "mtp" and mtp_head is not None:
-            dtype = draft_dtype(config.spec.draft_dtype, mtp_head)
-            self.mtp = MTPDrafter(mtp_head, model, self.allocator, self.page_size, dtype)
+            setting = config.spec.draft_dtype
+            dtype = draft_dtype(setting, mtp_head)
+            int4 = draft_int4(setting, mtp_head)
+            self.mtp = MTPDrafter(mtp_head, model, self.allocator, self.page_size, dtype, int4)
         elif config.spec.method == "draft" and drafter is not None:
             self.drafter = ModelDrafter(drafter, self.allocator, self.page_size, self.vocab_size)
         elif config.spec.method == "ngram":

@@ -14,9 +14,10 @@ from rose.kv.allocator import PageAllocator
 from rose.kv.block_table import BlockTable
 from rose.kv.metadata import AttentionMetadata
 from rose.models.llama import LlamaForCausalLM
+from rose.quant import Int4Linear, int4_available
 from rose.sampling import SamplingParams
 from rose.spec import SpecConfig
-from rose.spec.mtp import MTPDrafter, MTPDraftRequest, MTPHead, MTPHeadConfig
+from rose.spec.mtp import MTPDrafter, MTPDraftRequest, MTPHead, MTPHeadConfig, draft_int4
 from rose.spec.mtp import draft_dtype as resolve_draft_dtype
 from rose.spec.train_mtp import (
     TrainConfig,
@@ -58,7 +59,13 @@ def _run(
     return [r.output_ids for r in eng.generate(prompts, GREEDY)], eng
 
 
-@pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
+INT4 = pytest.param(
+    "int4",
+    marks=pytest.mark.skipif(not int4_available(), reason="no CPU int4 kernel in this PyTorch"),
+)
+
+
+@pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16", INT4])
 def test_trained_head_is_accepted_and_lossless(
     target: LlamaForCausalLM, trained: tuple[MTPHead, list[float]], draft_dtype: str
 ) -> None:
@@ -67,7 +74,12 @@ def test_trained_head_is_accepted_and_lossless(
     prompts = random_prompts(20, 32)  # unseen prompts
     base = [r.output_ids for r in GenerationEngine(target).generate(prompts, GREEDY)]
     got, eng = _run(target, head, prompts, draft_dtype=draft_dtype)
-    assert eng.mtp is not None and eng.mtp.head.fuse.weight.dtype == getattr(torch, draft_dtype)
+    assert eng.mtp is not None
+    if draft_dtype == "int4":  # the products that fit the kernel hold int4 weights
+        assert isinstance(eng.mtp.head.fuse, Int4Linear)
+        assert isinstance(eng.mtp.lm_head, Int4Linear)
+    else:
+        assert eng.mtp.head.fuse.weight.dtype == getattr(torch, draft_dtype)
     assert got == base
     untrained, eng0 = _run(target, MTPHead(MTPHeadConfig.for_target(target.config)).eval(), prompts)
     assert untrained == base
@@ -79,7 +91,13 @@ def test_trained_head_is_accepted_and_lossless(
 
 
 @pytest.mark.parametrize(
-    ("draft_dtype", "min_prob"), [("float32", 0.0), ("bfloat16", 0.0), ("float32", 0.3)]
+    ("draft_dtype", "min_prob"),
+    [
+        ("float32", 0.0),
+        ("bfloat16", 0.0),
+        ("float32", 0.3),
+        pytest.param("int4", 0.3, marks=INT4.marks),
+    ],
 )
 def test_chains_accepted_on_the_device_equal_the_host_path(
     target: LlamaForCausalLM,
@@ -198,6 +216,14 @@ def test_draft_dtype_setting(target: LlamaForCausalLM) -> None:
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     fast = probe is not None and bool(probe())
     assert resolve_draft_dtype("auto", head) == (torch.bfloat16 if fast else torch.float32)
+    # int4 weights on top of bf16 where the kernel is there; "int4" asks for them outright
+    assert draft_int4("auto", head) == (fast and int4_available())
+    assert not draft_int4("bfloat16", head) and not draft_int4("float32", head)
+    if int4_available():
+        assert draft_int4("int4", head) and resolve_draft_dtype("int4", head) == torch.bfloat16
+    else:
+        with pytest.raises(ValueError, match="int4"):
+            draft_int4("int4", head)
     with pytest.raises(ValueError, match="spec.draft_dtype"):
         SpecConfig(method="mtp", draft_dtype="fp8")
 

@@ -36,6 +36,7 @@ from rose.models.llama import (
     rope_inv_freq,
 )
 from rose.packed import PackedLinear, can_pack, pack_linears
+from rose.quant import Int4Linear, int4_available, int4_fits, quantize_linears
 from rose.sampling import SamplingParams, sample, token_probs
 from rose.spec.tree import DynamicTree
 
@@ -273,12 +274,32 @@ class MTPDraftRequest:
     generator: torch.Generator | None
 
 
+def draft_int4(setting: str, head: MTPHead) -> bool:
+    """Whether a `SpecConfig.draft_dtype` setting gives ``head`` int4 weights (`rose.quant`):
+    "int4", or "auto" on a CPU with the int4 kernel where the head drafts in bf16."""
+    on_cpu = head.norm.weight.device.type == "cpu"
+    if setting == "int4":
+        if not (on_cpu and int4_available()):
+            raise ValueError(
+                "spec.draft_dtype='int4' needs a CPU head and PyTorch's CPU int4 kernel "
+                "(aten._weight_int4pack_mm_for_cpu)"
+            )
+        return True
+    return (
+        setting == "auto"
+        and on_cpu
+        and int4_available()
+        and draft_dtype(setting, head) == torch.bfloat16
+    )
+
+
 def draft_dtype(setting: str, head: MTPHead) -> torch.dtype:
-    """The dtype a `SpecConfig.draft_dtype` setting resolves to for ``head``."""
+    """The dtype a `SpecConfig.draft_dtype` setting resolves to for ``head``: that of the
+    activations going into the products when the weights are int4 (`draft_int4`)."""
     own = head.norm.weight.dtype
     if setting == "float32":
         return torch.float32
-    if setting == "bfloat16":
+    if setting in ("bfloat16", "int4"):
         return torch.bfloat16
     device = head.norm.weight.device
     if device.type == "cuda":
@@ -309,10 +330,12 @@ def _for_inference(head: MTPHead, dtype: torch.dtype) -> MTPHead:
     return copy
 
 
-def _draft_lm_head(weight: torch.Tensor) -> nn.Module:
+def _draft_lm_head(weight: torch.Tensor, int4: bool = False) -> nn.Module:
     """``x @ weight.T`` for the draft-vocabulary rows ``[N, H]``: a `PackedLinear` where
     oneDNN can pack the weight (faster than ``mm`` for a cold bf16 weight: 359 vs 453 µs for
     4096 x 576 on one thread), else a plain linear layer."""
+    if int4 and int4_fits(weight):
+        return Int4Linear(weight)
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
     linear.weight = nn.Parameter(weight, requires_grad=False)
     return PackedLinear(linear, batch_hint=4) if can_pack(weight) else linear
@@ -328,10 +351,14 @@ class MTPDrafter:
         allocator: PageAllocator,
         page_size: int,
         dtype: torch.dtype | None = None,
+        int4: bool = False,
     ) -> None:
         head.config.check_target(target.config)
-        self.dtype = dtype or head.norm.weight.dtype  # of the linear layers' weights
+        # of the linear layers' weights (with int4, of the activations going into them)
+        self.dtype = dtype or head.norm.weight.dtype
         self.head = _for_inference(head, self.dtype)
+        if int4:  # the products' weights as int4 (rose.quant), the rest as it is
+            quantize_linears(self.head)
         self.target = target
         self.allocator = allocator
         self.page_size = page_size
@@ -339,7 +366,7 @@ class MTPDrafter:
         # the product with the LM head rows the head drafts among ([N, H], sliced once),
         # packed for oneDNN where it can be (rose.packed)
         rows = head.lm_weight(target.output.weight.detach()).to(self.dtype)
-        self.lm_head: nn.Module = _draft_lm_head(rows)
+        self.lm_head: nn.Module = _draft_lm_head(rows, int4)
 
     def new_table(self) -> BlockTable:
         return BlockTable(self.allocator, self.page_size)
