@@ -310,23 +310,28 @@ def draft_dtype(setting: str, head: MTPHead) -> torch.dtype:
     return torch.bfloat16 if fast_bf16 and own in (torch.float32, torch.bfloat16) else own
 
 
-def _for_inference(head: MTPHead, dtype: torch.dtype) -> MTPHead:
+def _for_inference(head: MTPHead, dtype: torch.dtype, int4: bool = False) -> MTPHead:
     """The head the drafter runs: a frozen copy whose linear layers hold ``dtype`` weights,
     with q/k/v and gate/up fused (the caller's head stays trainable and unchanged). On CPU
     the linear layers are oneDNN-packed (`rose.packed`) and only they change dtype: a bf16
     product under fp32 activations, norms, cache and attention, because PyTorch's CPU
-    attention is ~8x slower in bf16 than in fp32 for a one-token query. Elsewhere (CUDA)
-    the whole copy moves to ``dtype``."""
+    attention is ~8x slower in bf16 than in fp32 for a one-token query. With ``int4`` the
+    layers the kernel takes are then quantized from those ``dtype`` weights instead of
+    packed (`rose.quant`). Elsewhere (CUDA) the whole copy moves to ``dtype``."""
     copy = deepcopy(head).requires_grad_(False)
     copy.block.attention.fuse_qkv()  # one product for q, k and v, one for gate and up
     copy.block.mlp.fuse_gate_up()
     probe = copy.fuse.weight.detach().to(dtype)
-    if not can_pack(probe):
-        return copy.to(dtype)
+    packs = can_pack(probe)
+    if not packs:
+        copy = copy.to(dtype)
     for module in copy.modules():
         if isinstance(module, nn.Linear):
             module.to(dtype)
-    pack_linears(copy, batch_hint=4, single_row=True)
+    if int4:
+        quantize_linears(copy)
+    if packs:
+        pack_linears(copy, batch_hint=4, single_row=True)  # the layers left dense
     return copy
 
 
@@ -356,9 +361,7 @@ class MTPDrafter:
         head.config.check_target(target.config)
         # of the linear layers' weights (with int4, of the activations going into them)
         self.dtype = dtype or head.norm.weight.dtype
-        self.head = _for_inference(head, self.dtype)
-        if int4:  # the products' weights as int4 (rose.quant), the rest as it is
-            quantize_linears(self.head)
+        self.head = _for_inference(head, self.dtype, int4)
         self.target = target
         self.allocator = allocator
         self.page_size = page_size
