@@ -44,8 +44,8 @@ class SpecConfig:
         steps with fixed shapes and drops the drafts past the stop before they are
         verified, so it saves verified rows there but not head steps.
         `python -m bench chain_stop` measures it per head: 0.15 with k = 5 for the
-        SmolLM2-135M head on one CPU thread (1.83x against 1.76x for a fixed k = 3 on its
-        tuning prompts, with 0.1-0.35 all within 2% of it).
+        SmolLM2-135M head on one CPU thread with bf16 drafts (1.83x against 1.76x for a
+        fixed k = 3 on its tuning prompts, with 0.1-0.35 all within 2% of it).
     device_chain: MTP chains when every running request is greedy: "on" accepts on the
     device and drafts the next chain in the same step, reading the outcome back once after
     it (`rose.spec.mtp.MTPDrafter.chain_after_verify`), so that on a GPU no host
