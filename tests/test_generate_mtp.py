@@ -71,7 +71,7 @@ def test_trained_head_is_accepted_and_lossless(
 ) -> None:
     head, history = trained
     assert history[-1] < 0.5 * history[0], history
-    prompts = random_prompts(20, 32)  # unseen prompts
+    prompts = random_prompts(20, 50)  # unseen prompts, 50 as the bar asks
     base = [r.output_ids for r in GenerationEngine(target).generate(prompts, GREEDY)]
     got, eng = _run(target, head, prompts, draft_dtype=draft_dtype)
     assert eng.mtp is not None

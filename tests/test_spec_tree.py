@@ -139,7 +139,7 @@ def _generate(target, head, prompts, widths=(), params=GREEDY):
 
 
 def test_trees_are_lossless_and_keep_alternatives(target: LlamaForCausalLM, head: MTPHead) -> None:
-    prompts = random_prompts(20, 24)
+    prompts = random_prompts(20, 50)
     base = [r.output_ids for r in GenerationEngine(target).generate(prompts, GREEDY)]
     chain, eng_chain = _generate(target, head, prompts)
     tree, eng_tree = _generate(target, head, prompts, widths=(4, 3, 2))
@@ -226,7 +226,7 @@ def test_dynamic_tree_picks_the_likeliest_nodes() -> None:
 def test_dynamic_trees_are_lossless_and_keep_alternatives(
     target: LlamaForCausalLM, head: MTPHead
 ) -> None:
-    prompts = random_prompts(22, 24)
+    prompts = random_prompts(22, 50)
     base = [r.output_ids for r in GenerationEngine(target).generate(prompts, GREEDY)]
     spec = SpecConfig(method="mtp", num_draft_tokens=4, tree_nodes=5)
     eng = GenerationEngine(target, GenerationConfig(max_batch=8, spec=spec), mtp_head=head)
