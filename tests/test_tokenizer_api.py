@@ -132,7 +132,7 @@ def test_page_kind_is_reported(tok: Tokenizer) -> None:
 
 
 def test_word_cache_size_changes_no_id(xlmr_path: str) -> None:
-    """The word cache (per tokenizer, 16,384 entries by default) only saves time: with it
+    """The word cache (per tokenizer, 65,536 entries by default) only saves time: with it
     off, at two entries (constant collisions) and at the default, ids agree with HF's, for
     single calls, batches and pairs, twice over (the second pass hits the cache)."""
     hf = tokenizers.Tokenizer.from_file(xlmr_path)
@@ -145,7 +145,7 @@ def test_word_cache_size_changes_no_id(xlmr_path: str) -> None:
     want = [e.ids for e in hf.encode_batch(texts)]
     toks = {n: Tokenizer.from_file(xlmr_path, word_cache=n) for n in (0, 2, 16384)}
     assert {n: t.word_cache for n, t in toks.items()} == {0: 0, 2: 2, 16384: 16384}
-    assert Tokenizer.from_file(xlmr_path).word_cache == 16384
+    assert Tokenizer.from_file(xlmr_path).word_cache == 65536
     assert Tokenizer.from_file(xlmr_path, word_cache=1000).word_cache == 1024
     for t in toks.values():
         for _ in range(2):

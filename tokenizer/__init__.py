@@ -3,7 +3,7 @@
 Loads a Hugging Face ``tokenizer.json`` whose model is Unigram (XLM-R and friends) and
 produces exactly the ids Hugging Face ``tokenizers`` produces, several times faster.
 Batch calls release the GIL and run in parallel. Like HF's, the tokenizer keeps a cache of
-short words' ids (16,384 entries per working buffer, 1 MiB), so repeated words skip the
+short words' ids (65,536 entries per working buffer, 4 MiB), so repeated words skip the
 Viterbi pass; ``Tokenizer.from_file(path, word_cache=0)`` turns it off, and no size changes
 any id.
 

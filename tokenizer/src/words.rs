@@ -39,8 +39,8 @@
 pub(crate) const KEY_BYTES: usize = 32;
 /// Most ids an entry holds.
 pub(crate) const MAX_IDS: usize = 7;
-/// Entries in a scratch's cache unless the caller chooses (1 MiB).
-pub const DEFAULT_WORD_CACHE: usize = 1 << 14;
+/// Entries in a scratch's cache unless the caller chooses (4 MiB).
+pub const DEFAULT_WORD_CACHE: usize = 1 << 16;
 
 /// One cached pre-token; see the module docs for the layout.
 #[derive(Debug, Clone, Copy)]
