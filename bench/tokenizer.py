@@ -48,6 +48,10 @@ UNSEEN_SEED = 512_000_003
 # fresh ~16k-token texts, each encoded once: the 16k / 512 ratio without repetition across
 # calls (which the seen protocol has, and which a per-word cache turns into speed)
 UNSEEN_LONG_TEXTS = 12
+# The 16k / 512 ratio is also measured in this many paired passes (ours only, each pass
+# timing both sets back to back), and reported as the median of the passes' ratios: one
+# 16k measurement takes ~0.1 s, short enough for a burst of other jobs to cover it whole.
+RATIO_PASSES = 9
 # unseen texts are split into this many chunks (even: the library order reverses per chunk)
 UNSEEN_CHUNKS = 4
 BENCH_PACKAGES = (
@@ -66,6 +70,7 @@ class BenchConfig:
 
     venv: Path = Path.home() / ".cache" / "trellis" / "bench-venv"
     work: Path = Path.home() / ".cache" / "trellis" / "bench"
+    # distinct ~1k-token texts; every size gets as many tokens of distinct text (see `set_size`)
     texts_per_size: int = 60
     rounds: int = 3
     # Passes per measurement, libraries alternating within each pass; every reported
@@ -75,6 +80,17 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.texts_per_size < 2:
             raise ValueError(f"texts_per_size must be >= 2, got {self.texts_per_size}")
+
+    def set_size(self, size: int) -> int:
+        """Distinct texts of ~`size` tokens: the same volume of text at every size (at least 4).
+
+        Rounds over a set repeat its texts, so a set's volume decides what stays cached
+        between rounds (the per-word caches of trellis and HF, the CPU's caches). Equal
+        volumes keep that alike across sizes, so the 16k / 512 ratio compares sizes. (Until
+        the eighth round the sizes up to 1k had `texts_per_size` texts each, so the ~512-token
+        set held half the ~16k-token set's text; the Rust level still reports that set.)
+        """
+        return max(4, self.texts_per_size * 1024 // size)
         if self.rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {self.rounds}")
         if self.repeats < 1:
@@ -133,6 +149,11 @@ def _texts(
             n += k
         out.append(" ".join(parts))
     return out
+
+
+def _set_tokens(cfg: BenchConfig) -> str:
+    """The volume of distinct text in each size's set, for the report."""
+    return f"{cfg.texts_per_size * 1024 // 1000}k"
 
 
 def _rounds(cfg: BenchConfig, texts: int) -> int:
@@ -235,8 +256,7 @@ def run(argv: list[str]) -> int:  # noqa: C901 - a linear script
     texts_by_size: dict[int, list[str]] = {}
     sets: dict[int, tuple[dict[str, tuple[Callable[[str], object], float]], float]] = {}
     for size in SIZES:
-        count = cfg.texts_per_size if size <= 1024 else max(4, cfg.texts_per_size // (size // 1024))
-        texts = _texts(hf, lines, size, count)
+        texts = _texts(hf, lines, size, cfg.set_size(size))
         texts_by_size[size] = texts
         want = [e.ids for e in hf.encode_batch(texts)]
         bare = [w[1:-1] for w in want]
@@ -288,13 +308,28 @@ def run(argv: list[str]) -> int:  # noqa: C901 - a linear script
                 flush=True,
             )
 
+    # The size ratio in paired passes: each pass times the ~512-token and ~16k-token sets
+    # back to back, so both see the same moment of the machine.
+    pairs = []
+    for _ in range(RATIO_PASSES):
+        short = _time(ours.encode, texts_by_size[512], cfg.rounds, warm_up=texts_by_size[512])
+        long = _time(
+            ours.encode,
+            texts_by_size[16384],
+            _rounds(cfg, len(texts_by_size[16384])),
+            warm_up=texts_by_size[16384],
+        )
+        pairs.append((long[0] / short[0], long[2] / short[2]))
+    size_ratio = _paired(pairs)
+    print(f"16k / 512 in {RATIO_PASSES} paired passes: {size_ratio}", flush=True)
+
     # encode_batch throughput: 256 x 512 tokens, all cores vs one thread doing the same work.
     batch = (texts_by_size[512] * (256 // len(texts_by_size[512]) + 1))[:256]
     batch = [f"{i} {t}" for i, t in enumerate(batch)]
     walls: dict[str, list[float]] = {"one": [], "seq": [], "par": [], "lists": [], "hf": []}
     ours.encode_batch_packed(batch)  # every thread's scratch grows once
     with _OneThreadBatch(path, batch, cfg.work) as one_thread:
-        for _ in range(3 * cfg.repeats):
+        for _ in range(5 * cfg.repeats):
             walls["one"].append(one_thread.wall())
             walls["par"].append(_wall(lambda: ours.encode_batch_packed(batch)))
             walls["seq"].append(_wall(lambda: [ours.encode(t) for t in batch]))
@@ -303,6 +338,11 @@ def run(argv: list[str]) -> int:  # noqa: C901 - a linear script
     assert ours.encode_batch(batch) == [e.ids for e in hf.encode_batch(batch)]
     batch_row: dict[str, float | int | None] = {k: statistics.median(v) for k, v in walls.items()}
     batch_row["cores"] = os.cpu_count()
+    # one thread / all cores per alternation (the two runs are adjacent in time), as with
+    # the size ratio: a burst of other jobs moves both or neither
+    speed_ups = [one / par for one, par in zip(walls["one"], walls["par"], strict=True)]
+    batch_row["speed_up"] = statistics.median(speed_ups)
+    batch_row["speed_up_lo"], batch_row["speed_up_hi"] = min(speed_ups), max(speed_ups)
 
     # Unseen protocol: fresh texts, each encoded once per library after a warm-up on others.
     fresh = _texts(hf, lines, 512, UNSEEN_TEXTS, seed=UNSEEN_SEED)
@@ -361,8 +401,33 @@ def run(argv: list[str]) -> int:  # noqa: C901 - a linear script
         tokenizers.__version__,
         unseen_rows,
         ours.word_cache,
+        size_ratio,
     )
     return 0
+
+
+def _ratio_text(r: dict[str, float]) -> str:
+    return f"median {r['wall']:.1f}× by wall clock (passes {r['lo']:.1f}–{r['hi']:.1f}×), {r['cpu']:.1f}× by CPU time"
+
+
+def _paired_line(level: str, r: dict[str, float]) -> str:
+    """The report's line for the 16k / 512 ratio in paired passes."""
+    return (
+        f"{level}, 16k-token / 512-token in {RATIO_PASSES} paired passes (trellis only; each pass times the ~512-token "
+        f"set, then the ~16k-token set, so both see the same moment of a shared machine): **{r['wall']:.1f}×** median "
+        f"by wall clock (passes {r['lo']:.1f}–{r['hi']:.1f}×), {r['cpu']:.1f}× by CPU time (goal ≤ 40×; 32× the tokens)."
+    )
+
+
+def _paired(pairs: list[tuple[float, float]]) -> dict[str, float]:
+    """Median, lowest and highest of paired passes' (wall, CPU) ratios."""
+    wall, cpu = [p[0] for p in pairs], [p[1] for p in pairs]
+    return {
+        "wall": statistics.median(wall),
+        "cpu": statistics.median(cpu),
+        "lo": min(wall),
+        "hi": max(wall),
+    }
 
 
 _ONE_THREAD_CHILD = """
@@ -443,14 +508,37 @@ def _rust_level(cfg: BenchConfig, path: Path) -> dict[str, object]:
     counts = {size: len(f.read_text(encoding="utf-8").splitlines()) for size, f in files.items()}
     runs: dict[int, list[object]] = {size: [] for size in SIZES}
     bare: list[dict[str, object]] = []
+    # The ~512-token set the bench used before every size had the same volume of text:
+    # the first `texts_per_size` texts, half the ~16k-token set's text (see `set_size`).
+    half = cfg.work / "texts-512-half-volume.jsonl"
+    half_texts = files[512].read_text(encoding="utf-8").splitlines()[: cfg.texts_per_size]
+    half.write_text("".join(t + "\n" for t in half_texts), encoding="utf-8")
+    half_runs: list[dict[str, object]] = []
     for _ in range(cfg.repeats):
         for size in SIZES:
             runs[size].append(_compare(exe, path, files[size], _rounds(cfg, counts[size])))
         # the engine alone at ~512 tokens: our side with the word cache off
         bare += _compare(exe, path, files[512], _rounds(cfg, counts[512]), word_cache=0)
+        half_runs += _compare(exe, path, half, _rounds(cfg, len(half_texts)), which="ours")
     for size in SIZES:
         out["sizes"][size] = [_median_run([r[k] for r in runs[size]]) for k in (0, 1)]  # type: ignore[index]
     out["no_cache"] = _median_run(bare)
+    out["half_volume_512"] = _median_run(half_runs)
+    # The size ratio in paired passes (see RATIO_PASSES), for the new and the old 512 set.
+    pairs, half_pairs = [], []
+    for _ in range(RATIO_PASSES):
+        (short,) = _compare(exe, path, files[512], _rounds(cfg, counts[512]), which="ours")
+        (long,) = _compare(exe, path, files[16384], _rounds(cfg, counts[16384]), which="ours")
+        (old,) = _compare(exe, path, half, _rounds(cfg, len(half_texts)), which="ours")
+        for into, base in ((pairs, short), (half_pairs, old)):
+            into.append(
+                (
+                    long["p50_us"] / base["p50_us"],  # type: ignore[operator]
+                    long["cpu_p50_us"] / base["cpu_p50_us"],  # type: ignore[operator]
+                )
+            )
+    out["size_ratio"] = _paired(pairs)
+    out["size_ratio_half_volume"] = _paired(half_pairs)
     # One ~512-token text repeated: every trie node it touches stays in cache, so the gap
     # to the distinct-text p50 is the time spent waiting on memory.
     first = (cfg.work / "texts-512.jsonl").read_text(encoding="utf-8").splitlines()[0]
@@ -547,6 +635,7 @@ def _write(
     hf_version: str,
     unseen: dict[str, tuple[float, float, float]],
     word_cache: int,
+    size_ratio: dict[str, float],
 ) -> None:
     import matplotlib
 
@@ -567,6 +656,7 @@ def _write(
         f"Rust-level binary profile: LTO {os.environ.get('CARGO_PROFILE_RELEASE_LTO', 'fat (Cargo.toml)')}, "
         f"codegen-units {os.environ.get('CARGO_PROFILE_RELEASE_CODEGEN_UNITS', '1')}.",
         "Texts: distinct multilingual texts glued to the target size from corpus lines drawn at random (seeded per size) across all the corpus's sources; one thread per call; times in microseconds. "
+        f"Texts per size: {', '.join(f'{cfg.set_size(s)} × ~{s}' for s in SIZES)} tokens (the same volume of distinct text at every size). "
         f"Every p50/p99 is the median over {cfg.repeats} passes with the libraries, and the sizes, alternating within each pass "
         "(batch: the median of alternating runs).",
         "",
@@ -598,10 +688,11 @@ def _write(
             f"Seen texts, by {what}, at ~512 tokens trellis is {t512['hf tokenizers'] / t512['trellis']:.1f}× faster than HF tokenizers (goal ≥ 10×), "
             f"{t512['sentencepiece'] / t512['trellis']:.1f}× faster than sentencepiece (goal ≥ 2.5×) and "
             f"{t512['iree-tokenizer'] / t512['trellis']:.1f}× faster than iree-tokenizer (goal ≥ 2×); "
-            f"16k-token / 512-token = {t16k / t512['trellis']:.1f}× (goal ≤ 40×; seen texts favour the ~512-token set, "
-            "whose ~9k distinct words fit the word cache while the ~16k-token set's ~18k do not: the fresh-text ratio "
-            "below has no repetition across calls).",
+            f"16k-token / 512-token = {t16k / t512['trellis']:.1f}× (goal ≤ 40×; both sets hold ~{_set_tokens(cfg)} tokens "
+            "of distinct text, so the caches see the same volume repeat at both sizes; the fresh-text ratio below has "
+            "no repetition across calls).",
         ]
+    lines += ["", _paired_line("Python level", size_ratio)]
     bare512 = float(by[(512, NO_CACHE)]["p50"])  # type: ignore[arg-type]
     t512 = {lib: float(by[(512, lib)]["p50"]) for lib in libs}  # type: ignore[arg-type]
     lines += [
@@ -649,7 +740,8 @@ def _write(
         "## encode_batch throughput (256 × ~512 tokens)",
         "",
         f"trellis `encode_batch_packed` on {batch['cores']} cores: {batch['par'] * 1000:.1f} ms; the same call on one thread "  # type: ignore[operator]
-        f"(a child process with `RAYON_NUM_THREADS=1`, runs alternating): {batch['one'] * 1000:.1f} ms → **{batch['one'] / batch['par']:.2f}×** (goal ≥ 1.7× on 2 cores). "  # type: ignore[operator]
+        f"(a child process with `RAYON_NUM_THREADS=1`, runs alternating): {batch['one'] * 1000:.1f} ms; per alternation one thread / {batch['cores']} cores: **{batch['speed_up']:.2f}×** median "  # type: ignore[operator]
+        f"({batch['speed_up_lo']:.2f}–{batch['speed_up_hi']:.2f}× over {5 * cfg.repeats} alternations; goal ≥ 1.7× on 2 cores). "
         f"The texts one by one through `encode` on one thread: {batch['seq'] * 1000:.1f} ms; "  # type: ignore[operator]
         f"`encode_batch` (a list of lists) on {batch['cores']} cores: {batch['lists'] * 1000:.1f} ms. HF `encode_batch`: {batch['hf'] * 1000:.1f} ms. "  # type: ignore[operator]
         "This ratio needs the second core idle: any other job running at the same time (see the load average) comes straight off it.",
@@ -677,10 +769,22 @@ def _write(
         lines += [
             "",
             f"Rust level, trellis 16k-token / 512-token: wall-clock p50 {r16k['p50_us'] / r512['p50_us']:.1f}×, "
-            f"CPU-time p50 {r16k['cpu_p50_us'] / r512['cpu_p50_us']:.1f}× (goal ≤ 40×; 32× the tokens; with the word cache, "
-            "so the ~512-token set's repeated words hit it and the ~16k-token set's, twice as many as it holds, mostly miss: "
-            "the fresh-text ratio below has no repetition across calls).",
+            f"CPU-time p50 {r16k['cpu_p50_us'] / r512['cpu_p50_us']:.1f}× (goal ≤ 40×; 32× the tokens; both sets hold the "
+            "same volume of distinct text, repeated over the rounds; the fresh-text ratio below has no repetition across calls).",
         ]
+        if "size_ratio" in rust:
+            lines += ["", _paired_line("Rust level", rust["size_ratio"])]  # type: ignore[arg-type]
+        hv = rust.get("half_volume_512")
+        if hv:
+            lines += [
+                "",
+                f"The ~512-token set this bench used before the eighth round (its first {cfg.texts_per_size} texts: "
+                f"{cfg.texts_per_size * 512 / (cfg.set_size(16384) * 16384):.0%} of the ~16k-token set's volume, so more of "
+                "its words stay in the word cache between rounds): "
+                f"trellis p50 {hv['p50_us']} µs (CPU {hv['cpu_p50_us']}) → 16k / 512 = {r16k['p50_us'] / hv['p50_us']:.1f}× "  # type: ignore[index]
+                f"(CPU {r16k['cpu_p50_us'] / hv['cpu_p50_us']:.1f}×), measured in the same passes; in the paired passes "
+                f"{_ratio_text(rust['size_ratio_half_volume'])}.",  # type: ignore[arg-type, index]
+            ]
         warm = rust.get("warm")
         if warm:
             o, h = warm  # type: ignore[misc]
