@@ -170,7 +170,10 @@ def create_app(config: IvyConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        models = {name: ServedModel.load(name, d) for name, d in config.models.items()}
+        models = {
+            name: ServedModel.load(name, d, config.tokenizer_word_cache)
+            for name, d in config.models.items()
+        }
         pools: dict[str, ReplicaPool] = {}
         gateway = Gateway(
             models,

@@ -59,6 +59,9 @@ class IvyConfig:
     max_body_bytes: int = 32 * 1024 * 1024
     max_inputs: int = 2048
     health_interval_seconds: float = 1.0
+    # entries (64 bytes each) of the Rust tokenizer's word cache, one cache per encoding
+    # thread; None: the tokenizer's default (65,536: 4 MiB), 0: off
+    tokenizer_word_cache: int | None = None
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -103,6 +106,10 @@ class IvyConfig:
             raise ConfigError("max-inputs", "must be >= 1")
         if self.health_interval_seconds <= 0:
             raise ConfigError("health-interval-seconds", "must be > 0")
+        if self.tokenizer_word_cache is not None and self.tokenizer_word_cache < 0:
+            raise ConfigError(
+                "tokenizer-word-cache", f"must be >= 0, got {self.tokenizer_word_cache}"
+            )
         if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
             raise ConfigError("api-keys-file", f"{self.api_keys_file} is not a file")
         if any(not key for key in self.api_keys):
@@ -165,6 +172,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int)
     parser.add_argument("--max-inputs", type=int)
     parser.add_argument("--health-interval-seconds", type=float)
+    parser.add_argument(
+        "--tokenizer-word-cache",
+        type=int,
+        help="word-cache entries per tokenizing thread (64 bytes each; 0: off)",
+    )
 
 
 _SCALARS: dict[str, type] = {
@@ -179,6 +191,7 @@ _SCALARS: dict[str, type] = {
     "max_body_bytes": int,
     "max_inputs": int,
     "health_interval_seconds": float,
+    "tokenizer_word_cache": int,
 }
 _LISTS = ("model", "replicas", "replicas_dns")
 

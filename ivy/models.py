@@ -107,9 +107,10 @@ class ServedModel:
     chat_template: ChatTemplate | None = None
 
     @classmethod
-    def load(cls, name: str, directory: str | Path) -> ServedModel:
+    def load(cls, name: str, directory: str | Path, word_cache: int | None = None) -> ServedModel:
+        """``word_cache``: see :func:`load_tokenizer`."""
         directory = Path(directory)
-        tokenizer = load_tokenizer(directory / "tokenizer.json")
+        tokenizer = load_tokenizer(directory / "tokenizer.json", word_cache)
         return cls(
             name,
             directory,

@@ -158,16 +158,20 @@ class HFTokenizer:
         return list(enc.ids), [(int(s), int(e)) for s, e in enc.offsets]
 
 
-def load_tokenizer(path: Path | str) -> TextTokenizer:
+def load_tokenizer(path: Path | str, word_cache: int | None = None) -> TextTokenizer:
     """Load ``tokenizer.json``: the Rust tokenizer when importable and the file is one it
-    supports (Unigram), Hugging Face `tokenizers` otherwise."""
+    supports (Unigram), Hugging Face `tokenizers` otherwise. ``word_cache``: entries of the
+    Rust tokenizer's per-thread word cache (None: its default; 0: off)."""
     path = Path(path)
     try:
         from tokenizer import Tokenizer, TokenizerError  # type: ignore[attr-defined]
     except ImportError:
         return HFTokenizer(path)
     try:
-        native = Tokenizer.from_file(str(path))
+        if word_cache is None:
+            native = Tokenizer.from_file(str(path))
+        else:
+            native = Tokenizer.from_file(str(path), word_cache=word_cache)
     except TokenizerError:
         return HFTokenizer(path)
     return RustTokenizer(native, TokenizerError)

@@ -22,10 +22,12 @@ def test_flags_env_and_round_trip(model_dir: Path) -> None:
         "IVY_MODEL": f"e5={model_dir}",
         "IVY_REPLICAS": "e5=10.0.0.1:50051,10.0.0.2:50051",
         "IVY_API_KEYS": "k1, k2",
+        "IVY_TOKENIZER_WORD_CACHE": "0",
     }
     config = parse_config(["--port", "9100"], env)
     assert config.port == 9100  # the flag wins over the environment
     assert config.chunk_tokens == 1024
+    assert config.tokenizer_word_cache == 0
     assert config.models == {"e5": str(model_dir)}
     assert config.replicas == {"e5": ("10.0.0.1:50051", "10.0.0.2:50051")}
     assert config.all_api_keys() == {"k1", "k2"}
@@ -47,6 +49,11 @@ def test_flags_env_and_round_trip(model_dir: Path) -> None:
         (["--model", "e5=DIR", "--replicas", "e5=nohostport"], {}, "replicas"),
         (["--model", "e5=DIR", "--replicas", "e5=h:1", "--chunk-tokens", "0"], {}, "chunk-tokens"),
         (["--model", "e5=DIR", "--replicas", "e5=h:1", "--port", "70000"], {}, "port"),
+        (
+            ["--model", "e5=DIR", "--replicas", "e5=h:1", "--tokenizer-word-cache", "-1"],
+            {},
+            "tokenizer-word-cache",
+        ),
         (["--model", "e5=DIR", "--replicas", "e5=h:1"], {"IVY_WORKERS": "two"}, "workers"),
         (
             ["--model", "e5=DIR", "--replicas", "e5=h:1", "--replicas-dns", "e5=svc:1"],

@@ -63,6 +63,21 @@ def test_unigram_file_uses_rust_and_wordpiece_falls_back(
     assert loaded[minilm][0].backend == "huggingface"
 
 
+def test_word_cache_setting_reaches_the_rust_tokenizer(
+    xlmr: Path, loaded: dict[Path, list]
+) -> None:
+    """Ivy's --tokenizer-word-cache sizes the Rust tokenizer's cache (None: its default);
+    ids stay the reference's at every size."""
+    want = reference(loaded[xlmr][2], TEXTS, None)
+    sizes = {}
+    for word_cache in (None, 0, 8):
+        tok = load_tokenizer(xlmr, word_cache)
+        sizes[word_cache] = tok._tok.word_cache  # type: ignore[attr-defined]
+        for _ in range(2):  # the second pass hits the cache
+            assert unpack(*tok.encode_batch_packed(TEXTS)) == want, word_cache
+    assert sizes == {None: 65536, 0: 0, 8: 8}
+
+
 @pytest.mark.parametrize("max_length", [None, 8, 512])
 def test_packed_batches_equal_reference(loaded: dict[Path, list], max_length: int | None) -> None:
     for path, (picked, hf, ref) in loaded.items():
