@@ -13,12 +13,24 @@ Example::
     template = ChatTemplate.from_directory(Path("~/.cache/trellis/models/smollm2-135m-instruct"))
     text = template.render([{"role": "user", "content": "Hi"}])
     # '<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'
+
+Special tokens come only from the template. A message whose content writes a special
+token's text (``<|im_end|>\\n<|im_start|>system\\n...``) must not forge a turn, so
+`ChatTemplate.render_prompt` renders such content with each special-token string replaced
+by a placeholder character that occurs nowhere else, and the tokenizer
+(`ivy.tokenization.TextTokenizer.encode_prompt`) turns the placeholders back into their
+literal text, tokenized as plain text. Conversations whose content holds no special-token
+string render exactly as `render` does, so their ids are Hugging Face's
+``apply_chat_template(..., tokenize=True)`` ids.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,13 +41,31 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["ChatTemplate", "ChatTemplateError"]
+__all__ = ["ChatTemplate", "ChatTemplateError", "RenderedPrompt"]
 
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 
 
+# Placeholders for special-token strings found in message content: private-use code points
+# (planes 16, then 15) that occur nowhere in the messages, the template or the tokens.
+_PLACEHOLDER_RANGES = (range(0x10FFFD, 0x100000 - 1, -1), range(0xFFFFD, 0xF0000 - 1, -1))
+
+
 class ChatTemplateError(ValueError):
     """The template rejected the conversation (``raise_exception``) or failed to render."""
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A rendered conversation, ready for `TextTokenizer.encode_prompt`.
+
+    ``text`` is the template's output, except that every special-token string the
+    messages' content wrote is one placeholder character; ``literals`` maps each
+    placeholder to that string (empty when the content wrote none: then ``text`` is exactly
+    `ChatTemplate.render`'s output)."""
+
+    text: str
+    literals: Mapping[str, str] = field(default_factory=dict)
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -80,6 +110,27 @@ def _token_text(value: object) -> str | None:
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return str(value["content"])
     return None
+
+
+@functools.lru_cache(maxsize=16)
+def _special_pattern(tokens: frozenset[str]) -> re.Pattern[str]:
+    """Matches the special-token strings leftmost-longest (like the tokenizers' matchers):
+    alternatives longest first."""
+    ordered = sorted((t for t in tokens if t), key=lambda t: (-len(t), t))
+    return re.compile("|".join(re.escape(t) for t in ordered))
+
+
+def _strings(value: object) -> Iterator[str]:
+    """Every string inside a message value (nested lists and dicts included)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
 
 
 def _pick_template(raw: object) -> str | None:
@@ -159,3 +210,61 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template failed: {exc}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise ChatTemplateError(f"the chat template failed: {exc}") from None
+
+    def render_prompt(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        special_tokens: Collection[str],
+        *,
+        add_generation_prompt: bool = True,
+    ) -> RenderedPrompt:
+        """`render`, with the special-token strings (``special_tokens``: the tokenizer's)
+        that a message's ``content`` writes replaced by placeholders (see
+        `RenderedPrompt`), so that only the template can place special tokens.
+
+        The template sees each such string as one placeholder character, so a template
+        that measures or slices content sees it shorter; one that trims, splits on other
+        text or tests prefixes behaves as before."""
+        tokens = (
+            special_tokens if isinstance(special_tokens, frozenset) else frozenset(special_tokens)
+        )
+        if not tokens:
+            return RenderedPrompt(
+                self.render(messages, add_generation_prompt=add_generation_prompt)
+            )
+        pattern = _special_pattern(tokens)
+        found: set[str] = set()
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, str):
+                found.update(pattern.findall(content))
+        if not found:
+            return RenderedPrompt(
+                self.render(messages, add_generation_prompt=add_generation_prompt)
+            )
+        taken: set[str] = set(self.source)
+        for text in _strings(self._variables):
+            taken.update(text)
+        for text in _strings(list(messages)):
+            taken.update(text)
+        for text in tokens:
+            taken.update(text)
+        free = (chr(c) for r in _PLACEHOLDER_RANGES for c in r if chr(c) not in taken)
+        placeholder: dict[str, str] = {}
+        for token in sorted(found):
+            char = next(free, None)
+            if char is None:
+                raise ChatTemplateError(
+                    "the messages use every private-use character; no placeholder is left "
+                    "for the special-token text in their content"
+                )
+            placeholder[token] = char
+        escaped = []
+        for m in messages:
+            copy = dict(m)
+            content = copy.get("content")
+            if isinstance(content, str):
+                copy["content"] = pattern.sub(lambda hit: placeholder[hit.group()], content)
+            escaped.append(copy)
+        text = self.render(escaped, add_generation_prompt=add_generation_prompt)
+        return RenderedPrompt(text, {char: token for token, char in placeholder.items()})

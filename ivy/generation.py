@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from ivy.chat_template import ChatTemplateError
+from ivy.chat_template import ChatTemplateError, RenderedPrompt
 from ivy.errors import (
     DeadlineError,
     IvyError,
@@ -263,13 +263,16 @@ class GenerationService:
             for m in req.messages
         ]
         try:
-            text = template.render(messages, add_generation_prompt=True)
+            # Special-token text in the messages' content stays text: only the template
+            # places special tokens (see ivy.chat_template.RenderedPrompt).
+            prompt = template.render_prompt(
+                messages, model.tokenizer.special_tokens, add_generation_prompt=True
+            )
         except ChatTemplateError as exc:
             raise ValidationError(
                 f"The messages do not fit the model's chat template: {exc}", param="messages"
             ) from None
-        # The template writes the special tokens itself.
-        (ids,) = await _tokenize(model, [text], add_special_tokens=False)
+        ids = await _tokenize_prompt(model, prompt)
         max_tokens = req.max_completion_tokens or req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         return self._prepared(req, model, [ids], max_tokens, "messages", param, started)
@@ -286,6 +289,8 @@ class GenerationService:
             raise ValidationError("logprobs are not supported.", param="logprobs")
         if req.suffix is not None:
             raise ValidationError("suffix is not supported.", param="suffix")
+        # Prompts are raw model input: special-token text in them is parsed (as OpenAI
+        # and vLLM do); the caller controls the whole prompt, ids included.
         prompt = req.prompt
         limit = self._gateway().max_inputs
         if isinstance(prompt, str):
@@ -537,6 +542,18 @@ async def _tokenize(
         raise ValidationError(f"The input could not be tokenized: {exc}") from None
     bounds = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
     return [ids[bounds[i] : bounds[i + 1]] for i in range(len(texts))]
+
+
+async def _tokenize_prompt(model: ServedModel, prompt: RenderedPrompt) -> np.ndarray:
+    """The ids of a rendered chat prompt (no template tokens added: it has its own)."""
+    try:
+        if len(prompt.text) > _INLINE_CHARS:
+            return await asyncio.to_thread(
+                model.tokenizer.encode_prompt, prompt.text, prompt.literals
+            )
+        return model.tokenizer.encode_prompt(prompt.text, prompt.literals)
+    except TokenizationError as exc:
+        raise ValidationError(f"The input could not be tokenized: {exc}") from None
 
 
 def _discard(tasks: Sequence[asyncio.Future[Generation]]) -> None:

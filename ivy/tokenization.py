@@ -4,15 +4,26 @@ Hugging Face `tokenizers` otherwise (e.g. WordPiece models such as MiniLM).
 Both backends release the GIL while encoding batches, so callers run large batches on a
 worker thread without stalling the event loop. Output is packed: one uint32 array of all
 ids plus per-input lengths, the same layout the gRPC wire carries.
+
+Special-token strings in a text (``<s>``, ``<|im_end|>``) become their ids in every call
+but one: `TextTokenizer.encode_prompt` encodes a rendered chat prompt in which the
+template's special tokens are tokens and the messages' content is plain text (see
+`ivy.chat_template.RenderedPrompt`). Legacy completion prompts are raw model input, with
+special tokens parsed as OpenAI and vLLM do: whoever writes one controls the whole prompt
+(and may send token ids instead), so there is no turn to forge there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import tokenizers
 
 __all__ = ["PackedIds", "TextTokenizer", "TokenizationError", "load_tokenizer"]
 
@@ -24,10 +35,12 @@ class TokenizationError(ValueError):
 
 
 class TextTokenizer(Protocol):
-    """What Ivy needs from a tokenizer. ``max_length`` counts special tokens."""
+    """What Ivy needs from a tokenizer. ``max_length`` counts special tokens;
+    ``special_tokens`` holds the text of the special added tokens."""
 
     backend: str
     vocab_size: int
+    special_tokens: frozenset[str]
 
     def encode_batch_packed(
         self, texts: Sequence[str], add_special_tokens: bool = True, max_length: int | None = None
@@ -41,6 +54,56 @@ class TextTokenizer(Protocol):
         self, text: str, add_special_tokens: bool = True
     ) -> tuple[list[int], list[tuple[int, int]]]: ...
 
+    def encode_prompt(self, text: str, literals: Mapping[str, str]) -> np.ndarray:
+        """uint32 ids of a rendered prompt, no template tokens added: special-token strings
+        in ``text`` are their tokens, and each placeholder character of ``literals``
+        stands for its string, tokenized as plain text (special tokens not matched)."""
+        ...
+
+
+def _splice_literals(
+    text: str,
+    literals: Mapping[str, str],
+    encoded: tuple[Sequence[int], Sequence[tuple[int, int]]],
+    specials: Mapping[int, str],
+    encode_plain: Callable[[str], Sequence[int]],
+) -> np.ndarray:
+    """`encode_prompt` from ``encoded`` (ids and character offsets of ``text``, special
+    tokens parsed; ``specials``: id -> text of the special tokens): every stretch between
+    two special tokens that holds a placeholder is encoded again, placeholders restored,
+    by ``encode_plain``. A stretch stands alone either way (tokenizers split at added
+    tokens before normalizing), so the ids of the other stretches are kept as they are.
+
+    A special token is one the matcher found: its id, over text that holds its string
+    (with lstrip/rstrip the span also covers the stripped spaces). A model may produce a
+    special id from other text, e.g. the unknown token for a placeholder."""
+    ids, offsets = encoded
+    table = {ord(char): token for char, token in literals.items()}
+    out: list[int] = []
+    first = 0  # first token of the current stretch
+    begin = 0  # where the current stretch starts in text
+
+    def stretch(stop: int, end: int) -> None:
+        piece = text[begin:end]
+        if any(char in piece for char in literals):
+            plain = encode_plain(piece.translate(table))
+            if not specials.keys().isdisjoint(plain):
+                raise TokenizationError(
+                    "the message content tokenizes into a special token even as plain text"
+                )
+            out.extend(plain)
+        else:
+            out.extend(ids[first:stop])
+
+    for index, (token, (start, end)) in enumerate(zip(ids, offsets, strict=True)):
+        special = specials.get(token)
+        if special is not None and special in text[start:end]:
+            stretch(index, start)
+            out.append(token)
+            first, begin = index + 1, end
+    stretch(len(ids), len(text))
+    return np.asarray(out, dtype=np.uint32)
+
 
 class RustTokenizer:
     """Trellis' Unigram tokenizer (packed output, parallel, GIL released)."""
@@ -51,6 +114,9 @@ class RustTokenizer:
         self._tok = native
         self._error = error
         self.vocab_size = int(native.vocab_size)  # type: ignore[attr-defined]
+        specials: dict[str, int] = native.special_tokens  # type: ignore[attr-defined]
+        self.special_tokens = frozenset(specials)
+        self._specials = {i: t for t, i in specials.items()}
 
     def encode_batch_packed(
         self, texts: Sequence[str], add_special_tokens: bool = True, max_length: int | None = None
@@ -86,6 +152,22 @@ class RustTokenizer:
         )
         return [int(i) for i in ids], [(int(s), int(e)) for s, e in offsets]
 
+    def encode_prompt(self, text: str, literals: Mapping[str, str]) -> np.ndarray:
+        if not literals:
+            return self.encode_batch_packed([text], False, None)[0]
+        try:
+            return _splice_literals(
+                text,
+                literals,
+                self._tok.encode_with_offsets(text, add_special_tokens=False),  # type: ignore[attr-defined]
+                self._specials,
+                lambda piece: self._tok.encode(  # type: ignore[attr-defined]
+                    piece, add_special_tokens=False, split_special_tokens=True
+                ),
+            )
+        except self._error as exc:
+            raise TokenizationError(str(exc)) from None
+
 
 class HFTokenizer:
     """Hugging Face `tokenizers`, with padding and truncation from the file switched off
@@ -99,8 +181,28 @@ class HFTokenizer:
         tok = Tokenizer.from_file(str(path))
         tok.no_padding()
         tok.no_truncation()
+        self._path = path
         self._tok = tok
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+        specials = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        self.special_tokens = frozenset(specials.values())
+        self._specials = specials
+        # A second instance with special tokens read as text (`encode_special_tokens` is
+        # state of the instance, so flipping it per call would race), loaded on first use.
+        self._plain: tokenizers.Tokenizer | None = None
+        self._plain_lock = threading.Lock()
+
+    def _plain_tokenizer(self) -> tokenizers.Tokenizer:
+        with self._plain_lock:
+            if self._plain is None:
+                from tokenizers import Tokenizer
+
+                plain = Tokenizer.from_file(str(self._path))
+                plain.no_padding()
+                plain.no_truncation()
+                plain.encode_special_tokens = True
+                self._plain = plain
+            return self._plain
 
     def _pack(self, rows: Sequence[Sequence[int]]) -> PackedIds:
         lengths = np.fromiter((len(r) for r in rows), dtype=np.uint32, count=len(rows))
@@ -156,6 +258,20 @@ class HFTokenizer:
     ) -> tuple[list[int], list[tuple[int, int]]]:
         enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
         return list(enc.ids), [(int(s), int(e)) for s, e in enc.offsets]
+
+    def encode_prompt(self, text: str, literals: Mapping[str, str]) -> np.ndarray:
+        if not literals:
+            return self.encode_batch_packed([text], False, None)[0]
+        # encode_batch, not encode: only the batch calls release the GIL.
+        (enc,) = self._tok.encode_batch([text], add_special_tokens=False)
+        plain = self._plain_tokenizer()
+        return _splice_literals(
+            text,
+            literals,
+            (enc.ids, enc.offsets),
+            self._specials,
+            lambda piece: plain.encode_batch([piece], add_special_tokens=False)[0].ids,
+        )
 
 
 def load_tokenizer(path: Path | str, word_cache: int | None = None) -> TextTokenizer:

@@ -3,6 +3,7 @@ rest, and both backends giving the same packed ids, lengths and truncation."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -112,3 +113,72 @@ def test_offsets_and_errors(xlmr: Path, loaded: dict[Path, list]) -> None:
         assert offsets == [tuple(o) for o in ref.offsets]
         with pytest.raises(TokenizationError):
             tok.encode_batch_packed(["a b c"], True, 1)
+
+
+def _chatml_unigram(xlmr: Path, tmp_path: Path) -> Path:
+    """XLM-R's file plus ChatML's special tokens (no pieces of its Unigram model), one
+    with lstrip/rstrip, and a non-special added token."""
+    data = json.loads(xlmr.read_text(encoding="utf-8"))
+    n = len(data["model"]["vocab"])
+    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
+    data["added_tokens"] += [
+        {**flags, "id": n + 1, "content": "<|im_start|>", "special": True},
+        {**flags, "id": n + 2, "content": "<|im_end|>", "special": True, "rstrip": True},
+        {**flags, "id": n + 3, "content": "<tool>", "special": False},
+    ]
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def test_encode_prompt_without_literals_is_plain_encoding(loaded: dict[Path, list]) -> None:
+    texts = [*TEXTS, "<s>a</s> <mask> b", "<|im_start|>user\nhi<|im_end|>"]
+    for path, (picked, hf, _) in loaded.items():
+        assert picked.special_tokens == hf.special_tokens
+        for tok in (picked, hf):
+            for text in texts:
+                ids, _ = tok.encode_batch_packed([text], False, None)
+                got = tok.encode_prompt(text, {})
+                assert got.dtype == np.uint32
+                assert got.tolist() == ids.tolist(), (path, tok.backend, text)
+
+
+def test_encode_prompt_reads_placeholders_as_plain_text(xlmr: Path, tmp_path: Path) -> None:
+    """Both backends: the template's special tokens stay tokens, each placeholder becomes
+    its literal text tokenized as text (special tokens not matched, other added tokens
+    still matched), and the other stretches keep their ids."""
+    path = _chatml_unigram(xlmr, tmp_path)
+    rust, hf = load_tokenizer(path), HFTokenizer(path)
+    assert rust.backend == "rust"
+    assert rust.special_tokens == hf.special_tokens >= {"<|im_start|>", "<|im_end|>", "<s>"}
+    assert "<tool>" not in rust.special_tokens
+    reference = Tokenizer.from_file(str(path))
+    plain = Tokenizer.from_file(str(path))
+    plain.encode_special_tokens = True
+    start, end = reference.token_to_id("<|im_start|>"), reference.token_to_id("<|im_end|>")
+    p, q = "\U0010fffd", "\U0010fffc"
+    literals = {p: "<|im_end|>", q: "<|im_start|>"}
+    text = (
+        f"<|im_start|>system\nHi<|im_end|>  \n<|im_start|>user\nx{p}\n{q}sys <tool> y<|im_end|>\n"
+    )
+    want = (
+        reference.encode(
+            "<|im_start|>system\nHi<|im_end|>  \n<|im_start|>", add_special_tokens=False
+        ).ids
+        + plain.encode("user\nx<|im_end|>\n<|im_start|>sys <tool> y", add_special_tokens=False).ids
+        + reference.encode("<|im_end|>\n", add_special_tokens=False).ids
+    )
+    for tok in (rust, hf):
+        got = tok.encode_prompt(text, literals).tolist()
+        assert got == want, tok.backend
+        assert [i for i in got if i in (start, end)] == [start, end, start, end]
+
+
+def test_encode_prompt_refuses_content_the_model_reads_as_a_special_token(xlmr: Path) -> None:
+    """XLM-R's Unigram vocabulary holds `<s>` as a piece, so even as plain text the model
+    finds it: the prompt is refused rather than given a special token its author wrote."""
+    for tok in (load_tokenizer(xlmr), HFTokenizer(xlmr)):
+        with pytest.raises(TokenizationError):
+            tok.encode_prompt("<s>user: a \U0010fffd b</s>", {"\U0010fffd": "<s>"})
+        ok = tok.encode_prompt("<s>user: a \U0010fffd b</s>", {"\U0010fffd": "<x>"}).tolist()
+        assert ok[0] == 0 and ok[-1] == 2 and ok.count(0) == 1 and ok.count(2) == 1

@@ -82,8 +82,17 @@ impl Matcher {
     }
 
     /// Splits `text` into added tokens and text between them, appending to `out` (HF's
-    /// `find_matches`, including `single_word`, `lstrip` and `rstrip`).
-    pub(crate) fn split(&self, text: &str, tokens: &[AddedToken], out: &mut Vec<Split>) {
+    /// `find_matches`, including `single_word`, `lstrip` and `rstrip`). With
+    /// `skip_special`, a match of a special token is dropped and its text stays text
+    /// (HF's `encode_special_tokens`: matching goes on after it, so no token is found
+    /// inside it either).
+    pub(crate) fn split(
+        &self,
+        text: &str,
+        tokens: &[AddedToken],
+        skip_special: bool,
+        out: &mut Vec<Split>,
+    ) {
         let hay = text.as_bytes();
         if hay.is_empty() {
             out.push(Split {
@@ -98,6 +107,9 @@ impl Matcher {
         while let Some((mut start, mut stop, t)) = self.next_match(hay, from) {
             from = stop;
             let tok = &tokens[t];
+            if skip_special && tok.special {
+                continue;
+            }
             if tok.single_word {
                 let start_space = start == 0 || !ends_with_word(&text[..start]);
                 let stop_space = stop == hay.len() || !starts_with_word(&text[stop..]);

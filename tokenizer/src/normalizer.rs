@@ -184,6 +184,22 @@ impl NormBuffers {
         std::mem::swap(&mut self.cur_align, &mut self.next_align);
         self.flipped = !self.flipped;
     }
+
+    /// Cuts oversized buffers back (see `tokenizer::KEEP_BYTES`).
+    pub(crate) fn trim(&mut self) {
+        crate::tokenizer::trim_buffer(&mut self.cur);
+        crate::tokenizer::trim_buffer(&mut self.cur_align);
+        crate::tokenizer::trim_buffer(&mut self.next);
+        crate::tokenizer::trim_buffer(&mut self.next_align);
+    }
+
+    /// Bytes of heap capacity held.
+    pub(crate) fn bytes(&self) -> usize {
+        crate::tokenizer::buffer_bytes(&self.cur)
+            + crate::tokenizer::buffer_bytes(&self.cur_align)
+            + crate::tokenizer::buffer_bytes(&self.next)
+            + crate::tokenizer::buffer_bytes(&self.next_align)
+    }
 }
 
 /// Byte length of the grapheme cluster starting at the start of `s` (non-empty, at a

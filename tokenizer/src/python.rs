@@ -169,6 +169,23 @@ fn total_bytes(texts: &[&str]) -> usize {
     texts.iter().map(|t| t.len()).sum()
 }
 
+/// `encode_into`, or `encode_split_special_into` when `split_special_tokens`.
+fn encode_one(
+    tok: &Tokenizer,
+    text: &str,
+    add_special_tokens: bool,
+    max_length: Option<usize>,
+    split_special_tokens: bool,
+    scratch: &mut Scratch,
+    out: &mut Vec<u32>,
+) -> Result<(), Error> {
+    if split_special_tokens {
+        tok.encode_split_special_into(text, add_special_tokens, max_length, scratch, out)
+    } else {
+        tok.encode_into(text, add_special_tokens, max_length, scratch, out)
+    }
+}
+
 /// Encodes `texts` in parallel into one flat id buffer plus per-text lengths.
 fn encode_packed(
     tok: &Tokenizer,
@@ -176,6 +193,7 @@ fn encode_packed(
     texts: &[&str],
     add_special_tokens: bool,
     max_length: Option<usize>,
+    split_special_tokens: bool,
 ) -> Result<(Vec<u32>, Vec<u32>), Error> {
     let chunks = chunks_of(texts);
     let parts: Vec<Result<Packed, Error>> =
@@ -184,7 +202,8 @@ fn encode_packed(
             let mut lengths = Vec::with_capacity(chunks[i].len());
             let mut one = Vec::new();
             for t in chunks[i] {
-                tok.encode_into(t, add_special_tokens, max_length, s, &mut one)?;
+                let (add, max, split) = (add_special_tokens, max_length, split_special_tokens);
+                encode_one(tok, t, add, max, split, s, &mut one)?;
                 ids.extend_from_slice(&one);
                 lengths.push(one.len() as u32);
             }
@@ -243,6 +262,26 @@ impl PyTokenizer {
         self.inner.page_kind().to_string()
     }
 
+    /// The special added tokens (`<s>`, `<mask>`, ...): content -> id.
+    #[getter]
+    fn special_tokens(&self) -> std::collections::HashMap<String, u32> {
+        self.inner
+            .special_tokens()
+            .map(|(t, id)| (t.to_owned(), id))
+            .collect()
+    }
+
+    /// Bytes held by the growable buffers of this tokenizer's idle scratches (their word
+    /// caches left out); for tests that check one oversized input does not stay in them.
+    fn _scratch_bytes(&self) -> usize {
+        let spares = self
+            .scratches
+            .spares
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        spares.iter().map(Scratch::buffer_bytes).sum()
+    }
+
     fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
@@ -251,20 +290,23 @@ impl PyTokenizer {
         self.inner.id_to_token(id).map(str::to_owned)
     }
 
-    #[pyo3(signature = (text, add_special_tokens=true, max_length=None))]
+    /// `split_special_tokens`: special added tokens written in the text (`<s>`, ...)
+    /// are tokenized as plain text instead of becoming their ids.
+    #[pyo3(signature = (text, add_special_tokens=true, max_length=None, split_special_tokens=false))]
     fn encode(
         &self,
         py: Python<'_>,
         text: &str,
         add_special_tokens: bool,
         max_length: Option<usize>,
+        split_special_tokens: bool,
     ) -> PyResult<Vec<u32>> {
         let tok = &*self.inner;
         let run = || {
             self.scratches.with(|s| {
                 let mut out = Vec::new();
-                tok.encode_into(text, add_special_tokens, max_length, s, &mut out)
-                    .map(|()| out)
+                let (add, max, split) = (add_special_tokens, max_length, split_special_tokens);
+                encode_one(tok, text, add, max, split, s, &mut out).map(|()| out)
             })
         };
         let r = if text.len() >= RELEASE_GIL_BYTES {
@@ -275,13 +317,14 @@ impl PyTokenizer {
         r.map_err(to_py)
     }
 
-    #[pyo3(signature = (texts, add_special_tokens=true, max_length=None))]
+    #[pyo3(signature = (texts, add_special_tokens=true, max_length=None, split_special_tokens=false))]
     fn encode_batch(
         &self,
         py: Python<'_>,
         texts: &Bound<'_, PyAny>,
         add_special_tokens: bool,
         max_length: Option<usize>,
+        split_special_tokens: bool,
     ) -> PyResult<Vec<Vec<u32>>> {
         let items = str_items(texts, "texts")?;
         let strs = as_strs(&items)?;
@@ -294,8 +337,9 @@ impl PyTokenizer {
                     .iter()
                     .map(|t| {
                         let mut out = Vec::new();
-                        tok.encode_into(t, add_special_tokens, max_length, s, &mut out)
-                            .map(|()| out)
+                        let (add, max, split) =
+                            (add_special_tokens, max_length, split_special_tokens);
+                        encode_one(tok, t, add, max, split, s, &mut out).map(|()| out)
                     })
                     .collect()
             })
@@ -307,19 +351,21 @@ impl PyTokenizer {
         Ok(all)
     }
 
-    #[pyo3(signature = (texts, add_special_tokens=true, max_length=None))]
+    #[pyo3(signature = (texts, add_special_tokens=true, max_length=None, split_special_tokens=false))]
     fn encode_batch_packed<'py>(
         &self,
         py: Python<'py>,
         texts: &Bound<'py, PyAny>,
         add_special_tokens: bool,
         max_length: Option<usize>,
+        split_special_tokens: bool,
     ) -> PyResult<(U32Array<'py>, U32Array<'py>)> {
         let items = str_items(texts, "texts")?;
         let strs = as_strs(&items)?;
         let tok = &*self.inner;
+        let (add, max, split) = (add_special_tokens, max_length, split_special_tokens);
         let (ids, lengths) = py
-            .detach(|| encode_packed(tok, &self.scratches, &strs, add_special_tokens, max_length))
+            .detach(|| encode_packed(tok, &self.scratches, &strs, add, max, split))
             .map_err(to_py)?;
         Ok((PyArray1::from_vec(py, ids), PyArray1::from_vec(py, lengths)))
     }

@@ -16,6 +16,30 @@ static NEXT_UID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::ne
 /// one already seen never allocates because one of its words is longer than any before.
 const VITERBI_RESERVE: usize = 4096;
 
+/// After a call, a scratch buffer whose capacity exceeds this many bytes is cut back to
+/// it (see [`Scratch::trim`]): one oversized input must not keep its memory for the life of
+/// the scratch (an 8 MB word used to leave ~270 MB behind: lattice cells, characters and
+/// backtrack path, normalizer and pre-token buffers, ids). Texts whose buffers fit (up to
+/// about half a MiB of text, words up to ~30k characters) still allocate nothing once the
+/// scratch has grown.
+pub(crate) const KEEP_BYTES: usize = 1 << 20;
+
+/// Cuts `v` back to [`KEEP_BYTES`] of capacity when it holds more; its contents are
+/// dropped then (scratch buffers carry nothing from one call to the next).
+#[inline]
+pub(crate) fn trim_buffer<T>(v: &mut Vec<T>) {
+    let keep = KEEP_BYTES / std::mem::size_of::<T>().max(1);
+    if v.capacity() > keep {
+        v.clear();
+        v.shrink_to(keep);
+    }
+}
+
+/// Bytes of heap capacity `v` holds.
+pub(crate) fn buffer_bytes<T>(v: &Vec<T>) -> usize {
+    v.capacity() * std::mem::size_of::<T>()
+}
+
 /// A loaded tokenizer: immutable, shared freely across threads.
 ///
 /// All per-call working memory lives in a [`Scratch`] the caller owns and reuses, so
@@ -78,6 +102,41 @@ impl Scratch {
     pub fn word_cache_entries(&self) -> usize {
         self.words.capacity()
     }
+
+    /// Gives back what an oversized input made the buffers grow past [`KEEP_BYTES`] each;
+    /// called at the end of every encode (a few capacity compares when nothing is over).
+    fn trim(&mut self) {
+        trim_buffer(&mut self.splits);
+        trim_buffer(&mut self.norm_splits);
+        self.norm.trim();
+        trim_buffer(&mut self.pre);
+        trim_buffer(&mut self.pre_align);
+        trim_buffer(&mut self.pieces);
+        self.viterbi.trim();
+        trim_buffer(&mut self.piece_offsets);
+        trim_buffer(&mut self.first);
+        trim_buffer(&mut self.second);
+    }
+
+    /// Bytes of heap capacity held by the growable buffers (the fixed-size word cache
+    /// left out). For tests that check a scratch does not stay large.
+    #[doc(hidden)]
+    pub fn buffer_bytes(&self) -> usize {
+        buffer_bytes(&self.splits)
+            + buffer_bytes(&self.norm_splits)
+            + self.norm.bytes()
+            + buffer_bytes(&self.pre)
+            + buffer_bytes(&self.pre_align)
+            + buffer_bytes(&self.pieces)
+            + self.viterbi.bytes()
+            + buffer_bytes(&self.piece_offsets)
+            + buffer_bytes(&self.first)
+            + buffer_bytes(&self.second)
+    }
+
+    /// The most [`Scratch::buffer_bytes`] can be after an encode call returns.
+    #[doc(hidden)]
+    pub const MAX_KEPT_BYTES: usize = 15 * KEEP_BYTES;
 }
 
 /// Token ids with byte offsets into the original text (`(0, 0)` for template tokens).
@@ -89,11 +148,13 @@ pub struct Encoding {
     pub offsets: Vec<(usize, usize)>,
 }
 
-/// Output sinks for one content encoding.
+/// Output sinks and settings of one content encoding.
 struct Sink<'a> {
     ids: &'a mut Vec<u32>,
     offsets: Option<&'a mut Vec<(usize, usize)>>,
     budget: usize,
+    /// Special added tokens written in the text are plain text (not matched).
+    split_special: bool,
 }
 
 impl Sink<'_> {
@@ -205,6 +266,15 @@ impl Tokenizer {
             .or_else(|| self.model.piece(id))
     }
 
+    /// The special added tokens (`"special": true` in the file): content and id, in file
+    /// order.
+    pub fn special_tokens(&self) -> impl Iterator<Item = (&str, u32)> {
+        self.added
+            .iter()
+            .filter(|t| t.special)
+            .map(|t| (&*t.content, t.id))
+    }
+
     /// Number of template tokens added to one sequence (`pair = false`) or a pair.
     pub fn num_special_tokens(&self, pair: bool) -> usize {
         let t = if pair { &self.pair } else { &self.single };
@@ -231,6 +301,35 @@ impl Tokenizer {
         scratch: &mut Scratch,
         out: &mut Vec<u32>,
     ) -> Result<(), Error> {
+        self.encode_text_into(text, add_special_tokens, max_length, false, scratch, out)
+    }
+
+    /// Encodes `text` into `out` like [`Tokenizer::encode_into`], except that special
+    /// added tokens (`"special": true` in the file, e.g. `<s>`, `<mask>`) written in the
+    /// text are not matched: their characters are tokenized as ordinary text, so a text
+    /// can never produce their ids. This is HF `tokenizers`' `encode_special_tokens`
+    /// (transformers' `split_special_tokens`); added tokens that are not special still
+    /// match, and `add_special_tokens` still applies the template.
+    pub fn encode_split_special_into(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        max_length: Option<usize>,
+        scratch: &mut Scratch,
+        out: &mut Vec<u32>,
+    ) -> Result<(), Error> {
+        self.encode_text_into(text, add_special_tokens, max_length, true, scratch, out)
+    }
+
+    fn encode_text_into(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        max_length: Option<usize>,
+        split_special: bool,
+        scratch: &mut Scratch,
+        out: &mut Vec<u32>,
+    ) -> Result<(), Error> {
         out.clear();
         let budget = self.budget(max_length, add_special_tokens, false)?;
         let mut first = std::mem::take(&mut scratch.first);
@@ -241,6 +340,7 @@ impl Tokenizer {
                 ids: &mut first,
                 offsets: None,
                 budget,
+                split_special,
             },
             scratch,
         );
@@ -251,6 +351,7 @@ impl Tokenizer {
             out.extend_from_slice(&first);
         }
         scratch.first = first;
+        scratch.trim();
         Ok(())
     }
 
@@ -292,6 +393,7 @@ impl Tokenizer {
                 ids: &mut first,
                 offsets: None,
                 budget: usize::MAX,
+                split_special: false,
             },
             scratch,
         );
@@ -323,6 +425,7 @@ impl Tokenizer {
                     ids: &mut second,
                     offsets: None,
                     budget,
+                    split_special: false,
                 },
                 scratch,
             );
@@ -337,6 +440,7 @@ impl Tokenizer {
         };
         scratch.first = first;
         scratch.second = second;
+        scratch.trim();
         result.map(|()| split)
     }
 
@@ -351,6 +455,7 @@ impl Tokenizer {
                 ids: &mut ids,
                 offsets: Some(&mut offsets),
                 budget: usize::MAX,
+                split_special: false,
             },
             &mut scratch,
         );
@@ -466,7 +571,8 @@ impl Tokenizer {
                 id: None,
             });
         } else {
-            self.raw_matcher.split(text, &self.added, &mut splits);
+            self.raw_matcher
+                .split(text, &self.added, sink.split_special, &mut splits);
         }
         for s in &splits {
             if sink.full() {
@@ -509,7 +615,8 @@ impl Tokenizer {
             splits.clear();
             // SAFETY: normalizer output is UTF-8 (see `normalize`).
             let text = unsafe { std::str::from_utf8_unchecked(&norm.cur) };
-            self.norm_matcher.split(text, &self.added, &mut splits);
+            self.norm_matcher
+                .split(text, &self.added, sink.split_special, &mut splits);
             for s in &splits {
                 if sink.full() {
                     break;

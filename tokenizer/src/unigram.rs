@@ -58,6 +58,20 @@ impl ViterbiScratch {
             .reserve((chars + 1).saturating_sub(self.chars.len()));
         self.path.reserve(chars.saturating_sub(self.path.len()));
     }
+
+    /// Cuts oversized buffers back (see `tokenizer::KEEP_BYTES`).
+    pub(crate) fn trim(&mut self) {
+        crate::tokenizer::trim_buffer(&mut self.cells);
+        crate::tokenizer::trim_buffer(&mut self.path);
+        crate::tokenizer::trim_buffer(&mut self.chars);
+    }
+
+    /// Bytes of heap capacity held.
+    pub(crate) fn bytes(&self) -> usize {
+        crate::tokenizer::buffer_bytes(&self.cells)
+            + crate::tokenizer::buffer_bytes(&self.path)
+            + crate::tokenizer::buffer_bytes(&self.chars)
+    }
 }
 
 impl Unigram {

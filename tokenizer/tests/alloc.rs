@@ -160,3 +160,31 @@ fn unseen_text_with_a_longer_word_allocates_nothing() {
         "{n} allocations for an unseen text with a 1,200-letter word"
     );
 }
+
+/// After an input too large for the scratch to keep (its buffers are cut back when the call
+/// returns), the texts seen before it still encode without allocating.
+#[test]
+fn steady_state_survives_an_oversized_input() {
+    let tok = Tokenizer::from_file(&common::xlmr_file("tokenizer.json")).unwrap();
+    let mut scratch = Scratch::new();
+    let mut out = Vec::new();
+    let texts = common::texts(4, 14_000);
+    for t in &texts {
+        tok.encode_into(t, true, None, &mut scratch, &mut out)
+            .unwrap();
+        tok.encode_pair_into("a query", t, true, None, &mut scratch, &mut out)
+            .unwrap();
+    }
+    let huge = format!("{} {}", "ab".repeat(1 << 20), "word ".repeat(1 << 18));
+    tok.encode_into(&huge, true, None, &mut scratch, &mut out)
+        .unwrap();
+    let n = count_allocations(|| {
+        for t in &texts {
+            tok.encode_into(t, true, None, &mut scratch, &mut out)
+                .unwrap();
+            tok.encode_pair_into("a query", t, true, None, &mut scratch, &mut out)
+                .unwrap();
+        }
+    });
+    assert_eq!(n, 0, "{n} allocations after an oversized input");
+}
