@@ -110,10 +110,11 @@ def kubernetes_validate(tools: Tools, rendered: str, label: str) -> str:
         )
 
 
-def _compose_env() -> dict[str, str]:
+def _compose_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     # The profile default must come from deploy/.env, not from the caller's shell.
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_"))}
     env["HOME"] = os.environ.get("HOME", "/tmp")
+    env.update(extra or {})
     return env
 
 
@@ -133,12 +134,15 @@ def compose_validate(tools: Tools, profiles: Sequence[str]) -> None:
     )
 
 
-def compose_config(tools: Tools, profiles: Sequence[str]) -> dict[str, Any]:
-    """The Compose binary's resolved model (anchors merged, variables interpolated)."""
+def compose_config(
+    tools: Tools, profiles: Sequence[str], env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The Compose binary's resolved model (anchors merged, variables interpolated), with
+    ``env`` added to the variables the file interpolates."""
     out = _run(
         [*_compose_cmd(tools, profiles), "config", "--format", "json"],
         f"compose config (profiles {list(profiles) or 'default'})",
-        _compose_env(),
+        _compose_env(env),
     )
     return json.loads(out)
 

@@ -8,7 +8,7 @@ are attached to /openapi.json so it documents exactly what is accepted.
 from __future__ import annotations
 
 import contextlib
-import hmac
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,16 +25,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ivy.config import WORKER_CONFIG_ENV, IvyConfig
 from ivy.errors import (
-    AuthenticationError,
     BodyTooLargeError,
+    InternalError,
     IvyError,
     ValidationError,
     error_body,
+    request_id,
 )
 from ivy.gateway import Gateway, Timings
 from ivy.generation_api import CHAT_ROUTE, COMPLETIONS_ROUTE, add_generation_routes
 from ivy.hot_routes import Answer, HotHandler, HotRoutes
 from ivy.metrics import Metrics
+from ivy.middleware import Authenticate, CancelOnDisconnect, RequestId
 from ivy.models import ServedModel
 from ivy.replicas import ReplicaPool
 from ivy.schemas import (
@@ -51,6 +53,8 @@ from ivy.tokenization import TokenizationError
 
 __all__ = ["create_app", "create_app_from_env"]
 
+log = logging.getLogger("ivy")
+
 _JSON = "application/json"
 _ORJSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 _ERRORS = {
@@ -64,6 +68,16 @@ _ERRORS = {
         (503, "No healthy replica or shutting down"),
     )
 }
+# Served without an API key: probes, metrics and the API's own description.
+_PUBLIC_PATHS = (
+    "/health/live",
+    "/health/ready",
+    "/metrics",
+    "/openapi.json",
+    "/docs",
+    "/docs/oauth2-redirect",
+    "/redoc",
+)
 _ROUTES = {
     "/v1/embeddings",
     "/v1/rerank",
@@ -182,6 +196,8 @@ def create_app(config: IvyConfig) -> FastAPI:
             chunk_tokens=config.chunk_tokens,
             max_inputs=config.max_inputs,
             request_timeout_s=config.request_timeout_seconds,
+            max_input_chars=config.max_input_chars,
+            hedge_after_s=config.hedge_after_seconds,
         )
         for name in models:
             pool = ReplicaPool(
@@ -211,21 +227,6 @@ def create_app(config: IvyConfig) -> FastAPI:
     def gateway() -> Gateway:
         return state["gateway"]
 
-    def authorize(request: Request) -> None:
-        check_key(request.headers.get("authorization", ""))
-
-    def check_key(header: str) -> None:
-        if not api_keys:
-            return
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise AuthenticationError(
-                "You didn't provide an API key. Send it as `Authorization: Bearer KEY`."
-            )
-        token = token.strip()
-        if not any(hmac.compare_digest(token.encode(), k.encode()) for k in api_keys):
-            raise AuthenticationError("Incorrect API key provided.")
-
     @app.exception_handler(IvyError)
     async def _ivy_error(request: Request, exc: IvyError) -> Response:
         return _error_response(exc)
@@ -242,10 +243,13 @@ def create_app(config: IvyConfig) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> Response:
-        body = error_body(
-            "The server had an error processing your request.", "server_error", None, None
+        log.error(
+            "ivy: unexpected error on %s (request id %s)",
+            request.url.path,
+            request_id.get(),
+            exc_info=exc,
         )
-        return Response(body, 500, media_type=_JSON)
+        return _error_response(InternalError())
 
     hot: dict[str, HotHandler] = {}
 
@@ -258,8 +262,7 @@ def create_app(config: IvyConfig) -> FastAPI:
         inference_seconds = metrics.inference_seconds.labels(route=route)
         chunks_per_request = metrics.chunks_per_request.labels(route=route)
 
-        async def answer(body: bytes, authorization: str) -> Answer:
-            check_key(authorization)
+        async def answer(body: bytes) -> Answer:
             req = _parse(body, model)
             timings = Timings()
             try:
@@ -279,7 +282,7 @@ def create_app(config: IvyConfig) -> FastAPI:
         # answer to in-process callers of the bare app and documents the route.
         async def handle(request: Request) -> Response:
             body = await _read_body(request, config.max_body_bytes)
-            result = await answer(body, request.headers.get("authorization", ""))
+            result = await answer(body)
             return Response(result.body, result.status, dict(result.headers), media_type=_JSON)
 
         hot[route] = answer
@@ -335,8 +338,7 @@ def create_app(config: IvyConfig) -> FastAPI:
         response_model=None,
         responses={"200": {"model": ModelList, "description": "OK"}, "401": _ERRORS["401"]},
     )
-    async def list_models(request: Request) -> Response:
-        authorize(request)
+    async def list_models() -> Response:
         return _json(gateway().list_models())
 
     @app.get("/health/live", response_model=None)
@@ -391,17 +393,21 @@ def create_app(config: IvyConfig) -> FastAPI:
         app,
         gateway=gateway,
         metrics=metrics,
-        authorize=authorize,
         read_body=lambda request: _read_body(request, config.max_body_bytes),
         parse=_parse,
         timeout_seconds=config.generation_timeout_seconds,
         served_models=sorted(config.models),
     )
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
-    # Outermost of Ivy's middlewares: hot POSTs skip the rest of the stack.
+    # Hot POSTs skip the rest of the stack.
     app.add_middleware(
         HotRoutes, handlers=hot, metrics=metrics, max_body_bytes=config.max_body_bytes
     )
+    # Outermost: each request gets an id, then its key is checked before its body is read,
+    # and a client that leaves cancels its request.
+    app.add_middleware(CancelOnDisconnect)
+    app.add_middleware(Authenticate, keys=api_keys, public=_PUBLIC_PATHS)
+    app.add_middleware(RequestId)
     return app
 
 

@@ -8,9 +8,14 @@ stays open.
 Invariants:
   * At most one stream per replica is open; it is opened on first use and again after
     it ends. Requests are matched to answers by id (`_Stream.pending`).
+  * One writer per stream: callers only put messages on the stream's outbox, which
+    grpc.aio drains from its own task (the stream's request iterator). A caller that is
+    cancelled therefore never cancels the stream, whose other requests belong to other
+    callers (grpc.aio cancels the whole RPC when an awaited ``write`` is cancelled).
   * A request ends exactly once: with its answer, with `CallFailed` carrying the status
     the unary call would have had, with DEADLINE_EXCEEDED when its timeout passes (a
     ``cancel`` then tells the replica to drop it), or cancelled with the caller (same).
+    Every waiter gets an exception instance of its own.
   * When the stream breaks (the replica died or is stopping), every request on it fails
     with UNAVAILABLE, which the router retries on another replica.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -50,17 +56,33 @@ class CallFailed(Exception):
 
 
 class _Stream:
-    """One open `Calls` stream, its unanswered requests and the task reading answers."""
+    """One open `Calls` stream: its outbox, its unanswered requests and the task reading
+    answers."""
 
     def __init__(self, stub: pb_grpc.InferenceStub) -> None:
-        self.call = stub.Calls()
+        self._outbox: asyncio.Queue[pb.CallRequest | None] = asyncio.Queue()
+        self.call = stub.Calls(self._requests())
         self.pending: dict[int, asyncio.Future[Answer]] = {}
-        self.write_lock = asyncio.Lock()
-        self.ended: CallFailed | None = None
+        # (code, details) once the stream has ended; each waiter gets its own CallFailed.
+        self.ended: tuple[grpc.StatusCode, str] | None = None
         self.reader = asyncio.get_running_loop().create_task(self._read())
 
+    async def _requests(self) -> AsyncIterator[pb.CallRequest]:
+        """The stream's request iterator: grpc.aio writes what it yields, in its own task."""
+        while True:
+            request = await self._outbox.get()
+            if request is None:  # half-close: the replica finishes what it was sent
+                return
+            yield request
+
+    def send(self, request: pb.CallRequest) -> None:
+        """Queue `request` for the writer; never blocks, never cancels the stream."""
+        if self.ended is not None:
+            raise CallFailed(*self.ended)
+        self._outbox.put_nowait(request)
+
     async def _read(self) -> None:
-        failure = CallFailed(grpc.StatusCode.UNAVAILABLE, "the replica closed the Calls stream")
+        failure = (grpc.StatusCode.UNAVAILABLE, "the replica closed the Calls stream")
         try:
             async for response in self.call:
                 future = self.pending.pop(response.id, None)
@@ -81,31 +103,19 @@ class _Stream:
         except grpc.aio.AioRpcError as error:
             code = error.code()
             if code != grpc.StatusCode.CANCELLED:
-                failure = CallFailed(
-                    grpc.StatusCode.UNAVAILABLE, f"Calls stream broke: {code.name}"
-                )
+                failure = (grpc.StatusCode.UNAVAILABLE, f"Calls stream broke: {code.name}")
         except asyncio.CancelledError:
-            failure = CallFailed(grpc.StatusCode.UNAVAILABLE, "the Calls stream was closed")
+            failure = (grpc.StatusCode.UNAVAILABLE, "the Calls stream was closed")
             raise
         finally:
             self.ended = failure
             pending, self.pending = self.pending, {}
             for future in pending.values():
                 if not future.done():
-                    future.set_exception(failure)
-
-    async def write(self, request: pb.CallRequest) -> None:
-        async with self.write_lock:
-            if self.ended is not None:
-                raise self.ended
-            try:
-                await self.call.write(request)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as error:
-                raise CallFailed(
-                    grpc.StatusCode.UNAVAILABLE, f"could not send on the Calls stream: {error!r}"
-                ) from None
+                    future.set_exception(CallFailed(*failure))
 
     def close(self) -> None:
+        self._outbox.put_nowait(None)
         self.call.cancel()
 
 
@@ -116,13 +126,18 @@ class CallMux:
         self._stub = stub
         self._stream: _Stream | None = None
         self._ids = itertools.count(1)
-        self._cancels: set[asyncio.Task[None]] = set()
 
-    async def embed(self, request: pb.EmbedRequest, timeout: float) -> pb.EmbedResponse:
-        return await self._send(pb.CallRequest(embed=request), timeout)  # type: ignore[return-value]
+    async def embed(
+        self, request: pb.EmbedRequest, timeout: float, admitted: bool = False
+    ) -> pb.EmbedResponse:
+        call = pb.CallRequest(embed=request, admitted=admitted)
+        return await self._send(call, timeout)  # type: ignore[return-value]
 
-    async def score(self, request: pb.ScoreRequest, timeout: float) -> pb.ScoreResponse:
-        return await self._send(pb.CallRequest(score=request), timeout)  # type: ignore[return-value]
+    async def score(
+        self, request: pb.ScoreRequest, timeout: float, admitted: bool = False
+    ) -> pb.ScoreResponse:
+        call = pb.CallRequest(score=request, admitted=admitted)
+        return await self._send(call, timeout)  # type: ignore[return-value]
 
     async def _send(self, request: pb.CallRequest, timeout: float) -> Answer:
         stream = self._stream
@@ -131,19 +146,17 @@ class CallMux:
         call_id = next(self._ids)
         request.id = call_id
         request.timeout_ms = max(1, int(timeout * 1e3))
+        stream.send(request)
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Answer] = loop.create_future()
         stream.pending[call_id] = future
         expiry = loop.call_later(timeout, _expire, future)
         try:
-            await stream.write(request)
             return await future
         except BaseException:
             if stream.pending.pop(call_id, None) is not None and stream.ended is None:
                 # Expired here, or the caller gave up: the replica can drop the work.
-                task = loop.create_task(_cancel(stream, call_id))
-                self._cancels.add(task)
-                task.add_done_callback(self._cancels.discard)
+                stream.send(pb.CallRequest(id=call_id, cancel=True))
             raise
         finally:
             expiry.cancel()
@@ -164,8 +177,3 @@ class CallMux:
 def _expire(future: asyncio.Future[Answer]) -> None:
     if not future.done():
         future.set_exception(CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"))
-
-
-async def _cancel(stream: _Stream, call_id: int) -> None:
-    with contextlib.suppress(CallFailed):
-        await stream.write(pb.CallRequest(id=call_id, cancel=True))

@@ -100,6 +100,8 @@ class Cluster:
     tulips: list[subprocess.Popen[bytes]] = field(default_factory=list)
     ivy: subprocess.Popen[bytes] | None = None
     log_dir: Path | None = None
+    # SIGTERM to exit for this Ivy: its drain (derived from its timeouts) + exit time
+    ivy_stop_seconds: float = 0.0
 
     @property
     def base_url(self) -> str:
@@ -187,6 +189,7 @@ class Cluster:
             str(cfg.chunk_tokens),
             *cfg.extra_ivy_args,
         ]
+        self.ivy_stop_seconds = _ivy_stop_seconds(argv[3:], env)
         self.ivy = self._spawn(argv, env, "ivy")
 
     def wait_ready(self) -> None:
@@ -208,8 +211,20 @@ class Cluster:
     def stop(self) -> None:
         """Ivy first (finishes in-flight requests), then the replicas (drain), then kill."""
         if self.ivy is not None:
-            _terminate([self.ivy], timeout=35.0)
+            _terminate([self.ivy], timeout=self.ivy_stop_seconds)
         _terminate(self.tulips, timeout=self.config.drain_seconds + 15.0)
+
+
+def _ivy_stop_seconds(argv: Sequence[str], env: dict[str, str]) -> float:
+    """How long the Ivy started with ``argv`` may take to drain and exit after SIGTERM."""
+    from ivy.config import ConfigError, parse_config
+    from ivy.serve import EXIT_SECONDS
+
+    try:
+        drain = parse_config(argv, env).shutdown_seconds
+    except (ConfigError, SystemExit):  # argparse exits on an unknown flag
+        drain = 0.0  # Ivy refuses this configuration itself and exits 2 at once
+    return drain + EXIT_SECONDS
 
 
 def _terminate(procs: Sequence[subprocess.Popen[bytes]], timeout: float) -> None:
@@ -241,18 +256,23 @@ Metrics: {base}/metrics   API: {base}/docs   Stop: Ctrl-C
 
 
 def _examples(base: str, name: str, directory: Path | None = None) -> str:
-    """Example requests for the served model: chat for generators, else embeddings."""
-    if directory is not None:
-        from ivy.models import GENERATOR, read_model_spec
-
-        if read_model_spec(directory, 0).kind == GENERATOR:
-            return _chat_examples(base, name)
-    return f"""
-Trellis is up: Ivy on {base}, model `{name}`.
-
+    """Example requests for the served model: chat for generators, rerank for
+    cross-encoders, else embeddings and rerank."""
+    embeddings = f"""
   curl -s {base}/v1/embeddings -H 'Content-Type: application/json' \\
     -d '{{"model": "{name}", "input": ["how do plants grow?"], "input_type": "search_query"}}'
+"""
+    if directory is not None:
+        from ivy.models import CROSS_ENCODER, GENERATOR, read_model_spec
 
+        kind = read_model_spec(directory, 0).kind
+        if kind == GENERATOR:
+            return _chat_examples(base, name)
+        if kind == CROSS_ENCODER:
+            embeddings = ""
+    return f"""
+Trellis is up: Ivy on {base}, model `{name}`.
+{embeddings}
   curl -s {base}/v1/rerank -H 'Content-Type: application/json' \\
     -d '{{"model": "{name}", "query": "how do plants grow?", "documents": ["Plants grow from seeds.", "Paris is in France."], "top_n": 2}}'
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 __all__ = [
+    "SHUTDOWN_MARGIN_SECONDS",
     "WORKER_CONFIG_ENV",
     "ConfigError",
     "IvyConfig",
@@ -26,6 +27,10 @@ __all__ = [
 
 # Environment variable holding a serialized IvyConfig for uvicorn worker processes.
 WORKER_CONFIG_ENV = "IVY_WORKER_CONFIG_JSON"
+
+# Added to the longest request lifetime to give SIGTERM's drain: the last response's bytes
+# and the app's shutdown (closing the replica pools) fit in it.
+SHUTDOWN_MARGIN_SECONDS = 5.0
 
 
 class ConfigError(ValueError):
@@ -53,11 +58,25 @@ class IvyConfig:
     chunk_tokens: int = 8192
     api_keys_file: str | None = None
     api_keys: tuple[str, ...] = ()
+    # refuse to start without any key (api_keys or api_keys_file): deployments set it so a
+    # missing Secret cannot leave the API open
+    require_api_keys: bool = False
     request_timeout_seconds: float = 60.0
     # whole-request limit of /v1/chat/completions and /v1/completions (streamed or not)
     generation_timeout_seconds: float = 600.0
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = 4 * 1024 * 1024
     max_inputs: int = 2048
+    # characters of one /tokenize input or one rerank query (their work grows with size,
+    # and neither is truncated on the way)
+    max_input_chars: int = 262_144
+    # a chunk unanswered this long (or 4x what such chunks took lately, if longer) is also
+    # sent to a second replica; the first answer wins
+    hedge_after_seconds: float = 2.0
+    # open connections per worker beyond which new requests are answered 503 at once
+    max_connections: int = 2048
+    # a client must send a request's headers within this, and its body within this of
+    # the headers; else the connection is closed
+    read_timeout_seconds: float = 30.0
     health_interval_seconds: float = 1.0
     # entries (64 bytes each) of the Rust tokenizer's word cache, one cache per encoding
     # thread; None: the tokenizer's default (65,536: 4 MiB), 0: off
@@ -104,6 +123,14 @@ class IvyConfig:
             raise ConfigError("max-body-bytes", f"must be >= 1024, got {self.max_body_bytes}")
         if self.max_inputs < 1:
             raise ConfigError("max-inputs", "must be >= 1")
+        if self.max_input_chars < 1:
+            raise ConfigError("max-input-chars", f"must be >= 1, got {self.max_input_chars}")
+        if self.hedge_after_seconds <= 0:
+            raise ConfigError("hedge-after-seconds", "must be > 0")
+        if self.max_connections < 1:
+            raise ConfigError("max-connections", f"must be >= 1, got {self.max_connections}")
+        if self.read_timeout_seconds <= 0:
+            raise ConfigError("read-timeout-seconds", "must be > 0")
         if self.health_interval_seconds <= 0:
             raise ConfigError("health-interval-seconds", "must be > 0")
         if self.tokenizer_word_cache is not None and self.tokenizer_word_cache < 0:
@@ -114,6 +141,19 @@ class IvyConfig:
             raise ConfigError("api-keys-file", f"{self.api_keys_file} is not a file")
         if any(not key for key in self.api_keys):
             raise ConfigError("api-keys", "keys must not be empty")
+        if self.require_api_keys and not self.all_api_keys():
+            raise ConfigError(
+                "require-api-keys",
+                "no API key is configured (set IVY_API_KEYS or --api-keys-file), "
+                "and requests would be served without authentication",
+            )
+
+    @property
+    def shutdown_seconds(self) -> float:
+        """How long SIGTERM waits for in-flight requests before cutting them: the longest
+        a request may live (request or generation timeout) plus `SHUTDOWN_MARGIN_SECONDS`."""
+        longest = max(self.request_timeout_seconds, self.generation_timeout_seconds)
+        return longest + SHUTDOWN_MARGIN_SECONDS
 
     def all_api_keys(self) -> frozenset[str]:
         """Keys from the environment list and the keys file (one per line, # comments)."""
@@ -154,6 +194,15 @@ def _pairs(key: str, entries: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def _boolean(key: str, raw: str) -> bool:
+    text = raw.strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(key, f"must be a boolean (true/false/1/0), got {raw!r}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register Ivy's flags (defaults None so the environment can fill them)."""
     parser.add_argument("--host")
@@ -165,12 +214,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dns-refresh-seconds", type=float)
     parser.add_argument("--chunk-tokens", type=int)
     parser.add_argument("--api-keys-file")
+    parser.add_argument(
+        "--require-api-keys",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="refuse to start when no API key is configured (IVY_API_KEYS, --api-keys-file)",
+    )
     parser.add_argument("--request-timeout-seconds", type=float)
     parser.add_argument(
         "--generation-timeout-seconds", type=float, help="limit of one generation request"
     )
     parser.add_argument("--max-body-bytes", type=int)
     parser.add_argument("--max-inputs", type=int)
+    parser.add_argument(
+        "--max-input-chars", type=int, help="characters of a /tokenize input or rerank query"
+    )
+    parser.add_argument(
+        "--hedge-after-seconds",
+        type=float,
+        help="also send a chunk to a second replica after this long without an answer",
+    )
+    parser.add_argument(
+        "--max-connections", type=int, help="open connections per worker (beyond: 503)"
+    )
+    parser.add_argument(
+        "--read-timeout-seconds",
+        type=float,
+        help="time a client has to send its request's headers, and then its body",
+    )
     parser.add_argument("--health-interval-seconds", type=float)
     parser.add_argument(
         "--tokenizer-word-cache",
@@ -190,6 +261,10 @@ _SCALARS: dict[str, type] = {
     "generation_timeout_seconds": float,
     "max_body_bytes": int,
     "max_inputs": int,
+    "max_input_chars": int,
+    "hedge_after_seconds": float,
+    "max_connections": int,
+    "read_timeout_seconds": float,
     "health_interval_seconds": float,
     "tokenizer_word_cache": int,
 }
@@ -223,6 +298,11 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Iv
     values["replicas_dns"] = _pairs("replicas-dns", lists["replicas_dns"])
     keys = environ.get("IVY_API_KEYS", "")
     values["api_keys"] = tuple(k.strip() for k in keys.split(",") if k.strip())
+    require = getattr(args, "require_api_keys", None)
+    if require is None and "IVY_REQUIRE_API_KEYS" in environ:
+        require = _boolean("require-api-keys", environ["IVY_REQUIRE_API_KEYS"])
+    if require is not None:
+        values["require_api_keys"] = require
     return IvyConfig(**values)  # type: ignore[arg-type]
 
 

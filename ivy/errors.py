@@ -5,6 +5,8 @@ Responses use OpenAI's envelope ``{"error": {"message", "type", "param", "code"}
 
 from __future__ import annotations
 
+import random
+from contextvars import ContextVar
 from typing import Any, ClassVar
 
 import orjson
@@ -13,6 +15,7 @@ __all__ = [
     "AuthenticationError",
     "BodyTooLargeError",
     "DeadlineError",
+    "InternalError",
     "IvyError",
     "ModelNotFoundError",
     "NotFoundError",
@@ -21,7 +24,12 @@ __all__ = [
     "UpstreamError",
     "ValidationError",
     "error_body",
+    "request_id",
 ]
+
+# The id of the request being served (set by Ivy's request-id middleware; "" outside a
+# request). Server errors name it, so a client can quote it and the log has the details.
+request_id: ContextVar[str] = ContextVar("ivy_request_id", default="")
 
 
 class IvyError(Exception):
@@ -45,7 +53,10 @@ class IvyError(Exception):
         self.headers = headers or {}
 
     def body(self) -> bytes:
-        return error_body(self.message, self.type, self.param, self.code)
+        message = self.message
+        if self.status >= 500 and request_id.get():
+            message = f"{message} (request id {request_id.get()})"
+        return error_body(message, self.type, self.param, self.code)
 
 
 class ValidationError(IvyError):
@@ -85,12 +96,15 @@ class BodyTooLargeError(IvyError):
 
 
 class OverloadedError(IvyError):
-    """Every replica refused the work (their queues are full)."""
+    """Every replica refused the work (their queues are full). ``Retry-After`` is
+    jittered (1-3 s unless given) so refused clients do not come back in step."""
 
     status = 429
     type = "rate_limit_exceeded"
 
-    def __init__(self, message: str, retry_after_seconds: int = 1) -> None:
+    def __init__(self, message: str, retry_after_seconds: int | None = None) -> None:
+        if retry_after_seconds is None:
+            retry_after_seconds = random.randint(1, 3)
         super().__init__(
             message,
             code="rate_limit_exceeded",
@@ -110,6 +124,17 @@ class UpstreamError(IvyError):
 
     status = 502
     type = "server_error"
+
+
+class InternalError(IvyError):
+    """A bug in Ivy: the client gets a generic message and the request id, the log the
+    traceback."""
+
+    status = 500
+    type = "server_error"
+
+    def __init__(self) -> None:
+        super().__init__("The server had an error processing your request.")
 
 
 class DeadlineError(IvyError):

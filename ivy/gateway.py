@@ -17,7 +17,7 @@ from ivy.errors import ModelNotFoundError, UnavailableError, ValidationError
 from ivy.metrics import Metrics
 from ivy.models import CROSS_ENCODER, EMBEDDING, ServedModel
 from ivy.replicas import Replica, ReplicaPool
-from ivy.router import Router
+from ivy.router import Claim, Router
 from ivy.schemas import EmbeddingRequest, RerankRequest, TokenizeRequest
 
 __all__ = ["Gateway", "Timings"]
@@ -25,6 +25,9 @@ __all__ = ["Gateway", "Timings"]
 # Batches with more characters than this are tokenized on a worker thread.
 _INLINE_CHARS = 4096
 _DEFAULT_MAX_TOKENS_PER_DOC = 4096
+# Characters per token are at most this in the served tokenizers' real-world text (a
+# token hint from characters under-counts, never over-counts, the tokens to come).
+_CHARS_PER_TOKEN_BOUND = 8
 
 
 @dataclass
@@ -52,12 +55,15 @@ class Gateway:
         chunk_tokens: int,
         max_inputs: int,
         request_timeout_s: float,
+        max_input_chars: int = 262_144,
+        hedge_after_s: float = 2.0,
     ) -> None:
         self.models = models
         self.pools = pools
         self.metrics = metrics
-        self.router = Router(pools, metrics, chunk_tokens)
+        self.router = Router(pools, metrics, chunk_tokens, hedge_after_s)
         self.max_inputs = max_inputs
+        self.max_input_chars = max_input_chars
         self.request_timeout_s = request_timeout_s
         self.draining = False
         self.created = int(time.time())
@@ -81,10 +87,25 @@ class Gateway:
             raise ModelNotFoundError(name)
         return model
 
-    def _deadline(self) -> float:
+    def _admit(self, model: str, texts: Sequence[str] = ()) -> tuple[float, Claim]:
+        """The request's deadline and its claim on the replicas' capacity; refuses at
+        once when draining, or when the replicas of `model` have no room for it (judged
+        before any tokenizing is spent on `texts`)."""
         if self.draining:
             raise UnavailableError("The gateway is shutting down.")
-        return time.monotonic() + self.request_timeout_s
+        deadline = time.monotonic() + self.request_timeout_s
+        # At least one token per _CHARS_PER_TOKEN_BOUND characters in every tokenizer here.
+        hint = sum(len(t) for t in texts) // _CHARS_PER_TOKEN_BOUND
+        return deadline, self.router.admit(model, deadline, hint)
+
+    def _check_chars(self, texts: Sequence[str], param: str) -> None:
+        for i, text in enumerate(texts):
+            if len(text) > self.max_input_chars:
+                raise ValidationError(
+                    f"Input {i} has {len(text)} characters, over the limit of "
+                    f"{self.max_input_chars}.",
+                    param=param,
+                )
 
     # ---- tokenization ------------------------------------------------------------------
     async def _tokenize(
@@ -113,7 +134,6 @@ class Gateway:
     # ---- endpoints ---------------------------------------------------------------------
     async def embeddings(self, req: EmbeddingRequest, timings: Timings) -> dict[str, Any]:
         model = self.model(req.model)
-        deadline = self._deadline()
         t0 = time.perf_counter()
         spec = model.spec
         if spec.kind != EMBEDDING:
@@ -133,19 +153,27 @@ class Gateway:
             raise ValidationError(
                 f"At most {self.max_inputs} inputs per request, got {len(inputs)}.", param="input"
             )
-        if isinstance(inputs[0], str):
-            prompt = model.prompt_for(req.input_type)
-            texts = [prompt + t for t in inputs] if prompt else list(inputs)  # type: ignore[operator]
-            ids, lengths = await self._tokenize(model, texts, truncate=req.truncate)
-        else:
-            rows: list[list[int]] = [inputs] if isinstance(inputs[0], int) else inputs  # type: ignore[assignment,list-item]
-            ids, lengths = _pack_ids(rows, spec.vocab_size, spec.max_input_tokens, req.truncate)
-        timings.tokenize_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        vectors, timings.chunks, timings.replica_s = await self.router.embed(
-            req.model, ids, lengths, dimensions=req.dimensions or 0, deadline=deadline
-        )
-        timings.inference_s = time.perf_counter() - t1
+        texts_in = isinstance(inputs[0], str)
+        deadline, claim = self._admit(req.model, inputs if texts_in else ())  # type: ignore[arg-type]
+        with claim:
+            if texts_in:
+                prompt = model.prompt_for(req.input_type)
+                texts = [prompt + t for t in inputs] if prompt else list(inputs)  # type: ignore[operator]
+                ids, lengths = await self._tokenize(model, texts, truncate=req.truncate)
+            else:
+                rows: list[list[int]] = [inputs] if isinstance(inputs[0], int) else inputs  # type: ignore[assignment,list-item]
+                ids, lengths = _pack_ids(rows, spec.vocab_size, spec.max_input_tokens, req.truncate)
+            timings.tokenize_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            vectors, timings.chunks, timings.replica_s = await self.router.embed(
+                req.model,
+                ids,
+                lengths,
+                dimensions=req.dimensions or 0,
+                deadline=deadline,
+                claim=claim,
+            )
+            timings.inference_s = time.perf_counter() - t1
         self.metrics.input_tokens.labels(model=req.model).inc(int(ids.size))
         if req.encoding_format == "base64":
             le = vectors.astype("<f4", copy=False)
@@ -168,55 +196,71 @@ class Gateway:
 
     async def rerank(self, req: RerankRequest, timings: Timings) -> dict[str, Any]:
         model = self.model(req.model)
-        deadline = self._deadline()
         t0 = time.perf_counter()
+        self._check_chars([req.query], "query")
         docs = [d if isinstance(d, str) else d.text for d in req.documents]
         if len(docs) > self.max_inputs:
             raise ValidationError(
                 f"At most {self.max_inputs} documents per request, got {len(docs)}.",
                 param="documents",
             )
-        per_doc = req.max_tokens_per_doc or _DEFAULT_MAX_TOKENS_PER_DOC
-        spec = model.spec
-        if spec.kind == CROSS_ENCODER:
-            max_len = spec.max_input_tokens
-            q_ids, _ = model.tokenizer.encode_batch_packed([req.query], False, None)
-            _, overhead = model.tokenizer.encode_pairs_packed("", [""], None)
-            max_len = min(max_len, int(q_ids.size) + per_doc + int(overhead[0]))
-            ids, lengths, first = await asyncio.to_thread(
-                model.tokenizer.encode_pairs_packed, req.query, docs, max_len
-            )
-            timings.tokenize_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            raw, timings.chunks, timings.replica_s = await self.router.score(
-                req.model, ids, lengths, first, deadline=deadline
-            )
-            timings.inference_s = time.perf_counter() - t1
-            scores = raw[:, 0] if raw.ndim == 2 else raw
-            tokens = int(ids.size)
-        elif spec.kind == EMBEDDING:
-            texts = [spec.query_prompt + req.query] + [spec.document_prompt + d for d in docs]
-            q_ids, q_len = await self._tokenize(model, texts[:1], truncate=False, param="query")
-            # max_tokens_per_doc counts the document's own tokens, not prompt and specials.
-            _, overhead = model.tokenizer.encode_batch_packed([spec.document_prompt], True, None)
-            d_ids, d_len = await self._tokenize(
-                model, texts[1:], truncate=True, max_length=per_doc + int(overhead[0])
-            )
-            ids = np.concatenate((q_ids, d_ids))
-            lengths = np.concatenate((q_len, d_len))
-            timings.tokenize_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            vectors, timings.chunks, timings.replica_s = await self.router.embed(
-                req.model, ids, lengths, dimensions=0, deadline=deadline
-            )
-            timings.inference_s = time.perf_counter() - t1
-            norms = np.linalg.norm(vectors, axis=1)
-            norms[norms == 0] = 1.0
-            unit = vectors / norms[:, None]
-            scores = unit[1:] @ unit[0]
-            tokens = int(ids.size)
-        else:
-            raise ValidationError(f"The model `{req.model}` cannot rerank.", param="model")
+        deadline, claim = self._admit(req.model, docs)
+        with claim:
+            per_doc = req.max_tokens_per_doc or _DEFAULT_MAX_TOKENS_PER_DOC
+            spec = model.spec
+            if spec.kind == CROSS_ENCODER:
+                # Pairs as `tokenizer(query, document)` builds them. Only documents are cut: to
+                # max_tokens_per_doc of their own tokens, and so that the pair fits the model
+                # (HF's "only_second"; the "longest_first" of sentence-transformers' CrossEncoder
+                # cuts the same tokens whenever the query takes at most half of the room).
+                q_ids, _ = model.tokenizer.encode_batch_packed([req.query], False, None)
+                _, specials, _ = model.tokenizer.encode_pairs_packed("", [""], None)
+                fixed = int(q_ids.size) + int(specials[0])
+                if fixed >= spec.max_input_tokens:
+                    raise ValidationError(
+                        f"The query has {q_ids.size} tokens, which with the pair's special tokens "
+                        f"leaves no room for a document within this model's limit of "
+                        f"{spec.max_input_tokens} tokens.",
+                        param="query",
+                        code="context_length_exceeded",
+                    )
+                max_len = min(spec.max_input_tokens, fixed + per_doc)
+                ids, lengths, first = await asyncio.to_thread(
+                    model.tokenizer.encode_pairs_packed, req.query, docs, max_len
+                )
+                timings.tokenize_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                raw, timings.chunks, timings.replica_s = await self.router.score(
+                    req.model, ids, lengths, first, deadline=deadline, claim=claim
+                )
+                timings.inference_s = time.perf_counter() - t1
+                scores = raw[:, 0] if raw.ndim == 2 else raw
+                tokens = int(ids.size)
+            elif spec.kind == EMBEDDING:
+                texts = [spec.query_prompt + req.query] + [spec.document_prompt + d for d in docs]
+                q_ids, q_len = await self._tokenize(model, texts[:1], truncate=False, param="query")
+                # max_tokens_per_doc counts the document's own tokens, not prompt and specials.
+                _, overhead = model.tokenizer.encode_batch_packed(
+                    [spec.document_prompt], True, None
+                )
+                d_ids, d_len = await self._tokenize(
+                    model, texts[1:], truncate=True, max_length=per_doc + int(overhead[0])
+                )
+                ids = np.concatenate((q_ids, d_ids))
+                lengths = np.concatenate((q_len, d_len))
+                timings.tokenize_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                vectors, timings.chunks, timings.replica_s = await self.router.embed(
+                    req.model, ids, lengths, dimensions=0, deadline=deadline, claim=claim
+                )
+                timings.inference_s = time.perf_counter() - t1
+                norms = np.linalg.norm(vectors, axis=1)
+                norms[norms == 0] = 1.0
+                unit = vectors / norms[:, None]
+                scores = unit[1:] @ unit[0]
+                tokens = int(ids.size)
+            else:
+                raise ValidationError(f"The model `{req.model}` cannot rerank.", param="model")
         self.metrics.input_tokens.labels(model=req.model).inc(tokens)
         order = np.argsort(-scores, kind="stable")
         if req.top_n is not None:
@@ -244,10 +288,13 @@ class Gateway:
                 f"At most {self.max_inputs} inputs per request, got {len(texts)}.", param="input"
             )
 
+        self._check_chars(texts, "input")
+
         def run() -> list[tuple[list[int], list[tuple[int, int]]]]:
             return [model.tokenizer.encode_with_offsets(t, req.add_special_tokens) for t in texts]
 
-        encoded = await asyncio.to_thread(run) if len(texts) > 8 else run()
+        chars = sum(len(t) for t in texts)
+        encoded = await asyncio.to_thread(run) if chars > _INLINE_CHARS else run()
         total = sum(len(ids) for ids, _ in encoded)
         return {
             "model": req.model,

@@ -33,6 +33,7 @@ from ivy.generation import (
     merge,
 )
 from ivy.generation_schemas import (
+    MAX_STOP_CHARS,
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -53,6 +54,14 @@ _PROMPT_FORMS = (
     "Invalid 'prompt': expected a string, an array of strings, an array of token ids or "
     "an array of arrays of token ids (at most 2048 prompts)."
 )
+# The union's first failing branch says little; these name the accepted forms instead.
+_FORMS = {
+    "prompt": _PROMPT_FORMS,
+    "stop": (
+        f"Invalid 'stop': expected a string or an array of at most 4 strings, each of 1 to "
+        f"{MAX_STOP_CHARS} characters."
+    ),
+}
 # Answered (to nobody) when the client disconnected before its answer was ready.
 _CLIENT_CLOSED = 499
 _REQUEST_MODEL_KEY = "x-ivy-generation-request-model"
@@ -258,7 +267,6 @@ def add_generation_routes(
     *,
     gateway: Callable[[], Gateway],
     metrics: Metrics,
-    authorize: Callable[[Request], None],
     read_body: Callable[[Request], Awaitable[bytes]],
     parse: Callable[[bytes, type[pydantic.BaseModel]], Any],
     timeout_seconds: float,
@@ -270,20 +278,21 @@ def add_generation_routes(
         gateway, GenerationMetrics.create(metrics.registry), timeout_seconds
     )
 
+    def parse_request(body: bytes, model: type[pydantic.BaseModel]) -> Any:
+        try:
+            return parse(body, model)
+        except ValidationError as exc:
+            forms = _FORMS.get(exc.param or "")
+            if forms is None:
+                raise
+            raise ValidationError(forms, param=exc.param) from None
+
     async def chat_completions(request: Request) -> Response:
-        authorize(request)
-        req = parse(await read_body(request), ChatCompletionRequest)
+        req = parse_request(await read_body(request), ChatCompletionRequest)
         return await _chat(service, request, req)
 
     async def completions(request: Request) -> Response:
-        authorize(request)
-        try:
-            req = parse(await read_body(request), CompletionRequest)
-        except ValidationError as exc:
-            if exc.param != "prompt":
-                raise
-            # The union's first failing branch says little; name the accepted forms.
-            raise ValidationError(_PROMPT_FORMS, param="prompt") from None
+        req = parse_request(await read_body(request), CompletionRequest)
         return await _completion(service, request, req)
 
     for path, handle, req_model, resp_model, chunk_model, summary in (

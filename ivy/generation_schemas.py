@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ivy.schemas import ErrorBody
+from ivy.schemas import UINT32_MAX, ErrorBody
 
 __all__ = [
     "ChatCompletionChunk",
@@ -27,12 +27,19 @@ __all__ = [
     "TextPart",
 ]
 
-TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+# Numeric fields are bounded to the `SamplingOptions` field that carries them to Tulip
+# (uint32 max_tokens and top_k, float temperature and top_p, uint64 seed) or to OpenAI's
+# documented range when that is narrower; out of range is a 400 naming the field.
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]  # and < the vocabulary, checked later
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-StopStrings = (
-    Annotated[str, Field(min_length=1)]
-    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]
-)
+MaxTokens = Annotated[int, Field(ge=1, le=UINT32_MAX)]  # and within the context, later
+# A stop string is held back while it may still be forming, so a long one delays text.
+MAX_STOP_CHARS = 1024
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+StopStrings = StopString | Annotated[list[StopString], Field(max_length=4)]
+# OpenAI's seed is a signed 64-bit integer; Trellis also takes the unsigned range of the
+# wire's uint64 (negative seeds are sent as their two's complement).
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 FinishReason = Literal["stop", "length"]
 
 
@@ -76,16 +83,19 @@ class _Sampling(_Strict):
     """The sampling and stopping parameters both endpoints share."""
 
     model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = Field(
+    max_tokens: MaxTokens | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = Field(
         default=None, description="Default 1.0; 0 is greedy."
     )
-    top_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = Field(
-        default=None, description="Trellis extension: sample among the k likeliest tokens."
+    top_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    top_k: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = Field(
+        default=None,
+        description="Trellis extension: sample among the k likeliest tokens (0: all).",
     )
-    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
-    stop: StopStrings | None = Field(default=None, description="Up to 4 strings.")
+    seed: Seed | None = None
+    stop: StopStrings | None = Field(
+        default=None, description=f"Up to 4 strings of at most {MAX_STOP_CHARS} characters."
+    )
     n: int | None = Field(default=None, description="Only 1 is supported.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -96,7 +106,7 @@ class ChatCompletionRequest(_Sampling):
     """OpenAI's chat completion request (text only, one choice)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = Field(
+    max_completion_tokens: MaxTokens | None = Field(
         default=None, description="Wins over max_tokens when both are given."
     )
     logprobs: bool | None = Field(default=None, description="Not supported: false or absent.")

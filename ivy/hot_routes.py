@@ -9,12 +9,14 @@ handlers, so status codes, bodies, error envelopes and metrics are identical; ev
 other request (GETs, unknown paths, the OpenAPI document) passes through to FastAPI,
 which still declares the hot routes so /openapi.json documents them.
 
-Invariant: a hot route's answer depends only on (body, Authorization header), exactly
-the inputs `Answer`-returning handlers receive on both paths.
+Invariant: a hot route's answer depends only on its body, exactly the input
+`Answer`-returning handlers receive on both paths (the API key was checked by
+`ivy.middleware.Authenticate` before the body was read).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ivy.errors import BodyTooLargeError, IvyError, error_body
+from ivy.errors import BodyTooLargeError, InternalError, IvyError, request_id
 from ivy.metrics import Metrics
 
 __all__ = ["Answer", "HotHandler", "HotRoutes"]
@@ -41,8 +43,8 @@ class Answer:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
-# (raw body, Authorization header or "") -> the answer; raises IvyError for client errors.
-HotHandler = Callable[[bytes, str], Awaitable[Answer]]
+# raw body -> the answer; raises IvyError for client errors.
+HotHandler = Callable[[bytes], Awaitable[Answer]]
 
 
 class _Disconnected(Exception):
@@ -74,26 +76,25 @@ class HotRoutes:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        declared = authorization = None
+        declared = None
         for name, value in scope["headers"]:
             if name == b"content-length":
                 declared = value
-            elif name == b"authorization":
-                authorization = value
+                break
         try:
             body = await self._read_body(receive, declared)
-            answer = await handler(body, "" if authorization is None else authorization.decode())
+            answer = await handler(body)
         except IvyError as exc:
             answer = Answer(exc.status, exc.body(), exc.headers or {})
         except _Disconnected:
             self._count(path, 499, start)
             return
+        except asyncio.CancelledError:
+            self._count(path, 499, start)  # the client left (`CancelOnDisconnect`)
+            raise
         except Exception:
-            log.exception("ivy: unexpected error on %s", path)
-            body = error_body(
-                "The server had an error processing your request.", "server_error", None, None
-            )
-            answer = Answer(500, body)
+            log.exception("ivy: unexpected error on %s (request id %s)", path, request_id.get())
+            answer = Answer(500, InternalError().body())
         headers = [(b"content-type", _JSON), (b"content-length", str(len(answer.body)).encode())]
         headers += [(k.lower().encode(), v.encode("latin-1")) for k, v in answer.headers.items()]
         try:

@@ -41,6 +41,8 @@ class Metrics:
     replica_chunks: Counter
     replica_tokens: Counter
     retries: Counter
+    hedges: Counter
+    shed: Counter
 
     @classmethod
     def create(cls) -> Metrics:
@@ -112,6 +114,18 @@ class Metrics:
                 "ivy_retries",
                 "Chunks retried on another replica",
                 ["model", "reason"],
+                registry=reg,
+            ),
+            hedges=Counter(
+                "ivy_hedges",
+                "Chunks also sent to a second replica because the first was slow to answer",
+                ["model"],
+                registry=reg,
+            ),
+            shed=Counter(
+                "ivy_shed_requests",
+                "Requests refused before tokenizing because every replica was at capacity",
+                ["model"],
                 registry=reg,
             ),
         )

@@ -23,7 +23,7 @@ from ivy.metrics import Metrics
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
 
-__all__ = ["Replica", "ReplicaPool"]
+__all__ = ["SATURATED_SECONDS", "Replica", "ReplicaPool"]
 
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
@@ -37,6 +37,13 @@ _CHANNEL_OPTIONS = (
 )
 # After a call fails with UNAVAILABLE the replica is avoided this long, whatever health says.
 _SUSPECT_SECONDS = 1.0
+# After a replica refuses work for capacity, new requests avoid it this long; when every
+# healthy replica of a pool is refusing, Ivy sheds new requests before tokenizing them.
+SATURATED_SECONDS = 0.25
+# Weight of the newest answer in a replica's seconds-per-token average (hedging, admission).
+# The replica's own start-up measurement counts as one answer of _SEED_TOKENS tokens.
+_LATENCY_WEIGHT = 0.2
+_SEED_TOKENS = 1024
 _HEALTH_SERVICES = ("", "trellis.v1.Inference")
 
 
@@ -52,6 +59,12 @@ class Replica:
         self.outstanding_tokens = 0
         self.watched_serving = False
         self.suspect_until = 0.0
+        self.saturated_until = 0.0
+        # Wall seconds per token of this worker's answered chunks (queue + inference +
+        # transport): exponentially decayed sums of seconds over tokens, so big chunks
+        # weigh more than small ones; None until the first answer.
+        self.seconds_per_token: float | None = None
+        self._observed_seconds = self._observed_tokens = 0.0
         self.info: pb.InfoResponse | None = None
         self._metrics = metrics
         self._labels = {"model": model, "replica": address}
@@ -65,8 +78,26 @@ class Replica:
     def healthy(self) -> bool:
         return self.watched_serving and time.monotonic() >= self.suspect_until
 
+    @property
+    def saturated(self) -> bool:
+        return time.monotonic() < self.saturated_until
+
     def mark_suspect(self) -> None:
+        """The replica failed in a way only it can cause (its stream broke, it is stopping,
+        or it stalled while another replica answered): route around it for a while."""
         self.suspect_until = time.monotonic() + _SUSPECT_SECONDS
+
+    def mark_saturated(self) -> None:
+        """The replica refused work for capacity (RESOURCE_EXHAUSTED)."""
+        self.saturated_until = time.monotonic() + SATURATED_SECONDS
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """An answered chunk of `tokens` took `seconds` from send to answer (queueing
+        included, so the rate grows as the replica gets busier)."""
+        keep = 1.0 - _LATENCY_WEIGHT
+        self._observed_seconds = keep * self._observed_seconds + seconds
+        self._observed_tokens = keep * self._observed_tokens + max(1, tokens)
+        self.seconds_per_token = self._observed_seconds / self._observed_tokens
 
     def acquire(self, tokens: int) -> None:
         self.outstanding_tokens += tokens
@@ -83,6 +114,12 @@ class Replica:
         chunks.inc()
         if outcome == "OK":
             self._tokens.inc(tokens)
+
+    def _learn(self, info: pb.InfoResponse) -> None:
+        """Take the replica's description; its start-up speed seeds the per-token rate."""
+        self.info = info
+        if info.seconds_per_token > 0 and self.seconds_per_token is None:
+            self.observe(_SEED_TOKENS, _SEED_TOKENS * info.seconds_per_token)
 
     def _set_serving(self, serving: bool) -> None:
         self.watched_serving = serving
@@ -109,7 +146,7 @@ class Replica:
                     serving = status.status == health_pb2.HealthCheckResponse.SERVING
                     if serving and self.info is None:
                         with contextlib.suppress(grpc.aio.AioRpcError):
-                            self.info = await self.stub.Info(pb.InfoRequest(), timeout=5.0)
+                            self._learn(await self.stub.Info(pb.InfoRequest(), timeout=5.0))
                             on_info(self)
                         if self.info is None:  # serving but not answering: watch again later
                             self._set_serving(False)
@@ -138,7 +175,7 @@ class Replica:
                 )
                 serving = status.status == health_pb2.HealthCheckResponse.SERVING
                 if serving and self.info is None:
-                    self.info = await self.stub.Info(pb.InfoRequest(), timeout=5.0)
+                    self._learn(await self.stub.Info(pb.InfoRequest(), timeout=5.0))
                     on_info(self)
                 self._set_serving(serving and self.info is not None)
             except grpc.aio.AioRpcError:
@@ -168,6 +205,8 @@ class ReplicaPool:
     ) -> None:
         self.model = model
         self.replicas: dict[str, Replica] = {}
+        # Tokens of admitted multi-chunk requests not answered yet (this worker's).
+        self.committed_tokens = 0
         self._metrics = metrics
         self._on_info = on_info
         self._retry = health_retry_seconds
@@ -214,9 +253,29 @@ class ReplicaPool:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas.values() if r.healthy]
 
-    def pick(self, exclude: set[Replica] | frozenset[Replica] = frozenset()) -> Replica | None:
-        """Least outstanding tokens among two random healthy replicas."""
+    def seconds_per_token(self) -> float | None:
+        """The healthy replicas' mean wall seconds per token lately (None: no answer yet)."""
+        rates = [r.seconds_per_token for r in self.healthy() if r.seconds_per_token is not None]
+        return sum(rates) / len(rates) if rates else None
+
+    def saturated(self) -> bool:
+        """Every healthy replica refused work for capacity just now (none is healthy:
+        False, so the request gets the "no healthy replica" answer instead)."""
+        healthy = self.healthy()
+        return bool(healthy) and all(r.saturated for r in healthy)
+
+    def pick(
+        self,
+        exclude: set[Replica] | frozenset[Replica] = frozenset(),
+        *,
+        unsaturated: bool = False,
+    ) -> Replica | None:
+        """Least outstanding tokens among two random healthy replicas, preferring those
+        that did not just refuse work (only those when `unsaturated`)."""
         candidates = [r for r in self.replicas.values() if r.healthy and r not in exclude]
+        free = [r for r in candidates if not r.saturated]
+        if free or unsaturated:
+            candidates = free
         if not candidates:
             return None
         if len(candidates) == 1:

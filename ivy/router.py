@@ -1,11 +1,16 @@
 """Split packed token batches into chunks, send them to replicas concurrently with one
-retry on another replica, and reassemble the answers in input order."""
+retry on another replica (and a hedge when a replica stalls), and reassemble the answers
+in input order."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
+import math
+import random
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,9 +31,17 @@ from ivy.replicas import Replica, ReplicaPool
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.wire import pack_token_batch, unpack_tensor
 
-__all__ = ["Chunk", "Router", "no_replica_error", "split_chunks"]
+__all__ = ["Chunk", "Claim", "Router", "no_replica_error", "split_chunks"]
+
+log = logging.getLogger("ivy")
 
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# A chunk is hedged after this many times what such a chunk has taken lately.
+_HEDGE_FACTOR = 4.0
+# A replica's speed before this worker saw it answer: a slow CPU's (hedging waits longer).
+_UNMEASURED_SECONDS_PER_TOKEN = 1e-3
+# Admitted work refused for capacity is sent again after about this long.
+_REFILL_SECONDS = 0.05
 
 
 @dataclass(frozen=True)
@@ -68,13 +81,78 @@ def split_chunks(lengths: np.ndarray, chunk_tokens: int) -> list[Chunk]:
 _RESULT_FIELD = {"embed": "embeddings", "score": "scores"}
 
 
-class Router:
-    """Sends work for one worker to the pools of its served models."""
+class Claim:
+    """A request's claim on its pool's capacity: while held, its tokens count in the
+    pool's ``committed_tokens``, which `Router` weighs before admitting another large
+    request. Held from admission (before tokenizing) until the request is answered; a
+    context manager so that every way out of a request lets go of it."""
 
-    def __init__(self, pools: dict[str, ReplicaPool], metrics: Metrics, chunk_tokens: int) -> None:
+    __slots__ = ("pool", "tokens")
+
+    def __init__(self, pool: ReplicaPool) -> None:
+        self.pool = pool
+        self.tokens = 0
+
+    def hold(self, tokens: int) -> None:
+        """Hold `tokens` from now on (0: let go)."""
+        self.pool.committed_tokens += tokens - self.tokens
+        self.tokens = tokens
+
+    def __enter__(self) -> Claim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.hold(0)
+
+
+class Router:
+    """Sends work for one worker to the pools of its served models.
+
+    Policy, for every chunk of every request:
+      * a chunk goes to the least-loaded healthy replica (`ReplicaPool.pick`) and, when
+        that one fails with a retryable status, once to another;
+      * a replica is marked suspect only for failures it caused (its stream broke, it is
+        stopping, or it stalled while another answered); a capacity refusal marks it
+        saturated instead, and a failure Ivy caused (a cancelled caller) marks nothing;
+      * a chunk still unanswered after its hedging delay (several times what such a chunk
+        has taken lately, at least ``hedge_after_s``) is sent to a second replica too, the
+        first answer wins and the other call is cancelled: a frozen replica delays its
+        chunks by that delay, not by the whole deadline;
+      * a request's chunks are in flight at most two per healthy replica at a time; a
+        chunk refused for capacity while others of its request are in flight waits for
+        one of them and is sent again. Once one chunk was answered the request counts as
+        admitted: its later chunks travel marked ``admitted``, which replicas queue
+        whenever they can finish in time (their queue-time limit refuses only new work),
+        so an admitted request finishes and overload cannot leave many requests half
+        done. A request none of whose chunks was taken answers 429.
+    """
+
+    def __init__(
+        self,
+        pools: dict[str, ReplicaPool],
+        metrics: Metrics,
+        chunk_tokens: int,
+        hedge_after_s: float = 2.0,
+    ) -> None:
         self.pools = pools
         self.metrics = metrics
         self.chunk_tokens = chunk_tokens
+        self.hedge_after_s = hedge_after_s
+
+    def admit(self, model: str, deadline: float, tokens_hint: int = 0) -> Claim:
+        """Admit a request before any tokenizing is spent on it, or refuse it (429) when
+        every healthy replica of `model` is refusing work, or when a request of at least
+        `tokens_hint` tokens would find no room (`_check_room`). The claim holds the hint
+        until the request's chunks are known (`_fan_out`)."""
+        pool = self.pools[model]
+        if pool.saturated():
+            self.metrics.shed.labels(model=model).inc()
+            raise OverloadedError("Every replica is at capacity; retry shortly.")
+        claim = Claim(pool)
+        if tokens_hint > self.chunk_tokens:
+            self._check_room(model, pool, tokens_hint, deadline)
+            claim.hold(tokens_hint)
+        return claim
 
     async def embed(
         self,
@@ -84,6 +162,7 @@ class Router:
         *,
         dimensions: int,
         deadline: float,
+        claim: Claim | None = None,
     ) -> tuple[np.ndarray, int, float]:
         """Embeddings [inputs, dims] float32 in input order, the chunk count and the
         replicas' own time (queue + inference, seconds; the slowest chunk)."""
@@ -96,7 +175,7 @@ class Router:
                 dimensions=dimensions,
             )
 
-        return await self._fan_out(model, "embed", lengths, request, deadline)
+        return await self._fan_out(model, "embed", lengths, request, deadline, claim)
 
     async def score(
         self,
@@ -106,6 +185,7 @@ class Router:
         first_segment_lengths: np.ndarray,
         *,
         deadline: float,
+        claim: Claim | None = None,
     ) -> tuple[np.ndarray, int, float]:
         """Pair scores [pairs, num_labels] in input order, the chunk count and the
         replicas' own time (seconds, the slowest chunk)."""
@@ -120,7 +200,7 @@ class Router:
                 ],
             )
 
-        return await self._fan_out(model, "score", lengths, request, deadline)
+        return await self._fan_out(model, "score", lengths, request, deadline, claim)
 
     async def _fan_out(
         self,
@@ -129,52 +209,213 @@ class Router:
         lengths: np.ndarray,
         make_request: Callable[[Chunk], pb.EmbedRequest | pb.ScoreRequest],
         deadline: float,
+        claim: Claim | None,
     ) -> tuple[np.ndarray, int, float]:
-        """Split into chunks, send them concurrently, and reassemble the result rows in
-        input order; also the chunk count and the slowest chunk's replica time (s)."""
+        """Split into chunks, send them (a window at a time), and reassemble the result
+        rows in input order; also the chunk count and the slowest chunk's replica time."""
         chunks = split_chunks(lengths, self.chunk_tokens)
-        replica_us: list[int] = []
+        field = _RESULT_FIELD[method]
+        if len(chunks) == 1:  # the common small request: no window, no extra task
+            response = await self._call(
+                model, method, make_request(chunks[0]), chunks[0].tokens, deadline
+            )
+            timing = response.timing
+            return (
+                unpack_tensor(getattr(response, field)),
+                1,
+                (timing.queue_us + timing.inference_us) / 1e6,
+            )
+        pool = self.pools[model]
+        total = sum(c.tokens for c in chunks)
+        if claim is None:
+            claim = Claim(pool)
+        if not claim.tokens:  # not admitted by its size yet
+            self._check_room(model, pool, total, deadline)
+        claim.hold(total)
+        parts: list[np.ndarray | None] = [None] * len(chunks)
+        waiting = collections.deque(range(len(chunks)))
+        running: dict[asyncio.Task[Any], int] = {}
+        replica_us = 0
+        answered = 0
+        blocked = False  # a chunk was refused: send nothing new until one is answered
+        try:
+            while waiting or running:
+                window = 0 if blocked else max(1, 2 * len(pool.healthy()))
+                while waiting and len(running) < window:
+                    index = waiting.popleft()
+                    chunk = chunks[index]
+                    task = asyncio.ensure_future(
+                        self._call(
+                            model,
+                            method,
+                            make_request(chunk),
+                            chunk.tokens,
+                            deadline,
+                            admitted=answered > 0,
+                        )
+                    )
+                    running[task] = index
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise DeadlineError("The request timed out.")
+                if running:
+                    done, _ = await asyncio.wait(
+                        running, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                    )
+                else:
+                    # Admitted work whose remaining chunks found no room: wait a little
+                    # (the replicas' queues drain), then send them again.
+                    await asyncio.sleep(min(remaining, _REFILL_SECONDS * (0.5 + random.random())))
+                    done, blocked = set(), False
+                refused: list[int] = []
+                for task in done:
+                    index = running.pop(task)
+                    error = task.exception()
+                    if error is None:
+                        response = task.result()
+                        parts[index] = unpack_tensor(getattr(response, field))
+                        timing = response.timing
+                        replica_us = max(replica_us, timing.queue_us + timing.inference_us)
+                        answered += 1
+                        blocked = False
+                        claim.hold(claim.tokens - chunks[index].tokens)
+                    elif isinstance(error, OverloadedError):
+                        refused.append(index)
+                    else:
+                        raise error
+                if refused:
+                    if not running and not answered:
+                        raise OverloadedError("Every replica is at capacity; retry shortly.")
+                    waiting.extendleft(sorted(refused, reverse=True))
+                    blocked = True
+        finally:
+            claim.hold(0)
+            await _cancel_all(running)
+        rows = np.concatenate(parts, axis=0)  # type: ignore[arg-type]
+        return rows, len(chunks), replica_us / 1e6
 
-        async def one(chunk: Chunk) -> np.ndarray:
-            response = await self._call(model, method, make_request(chunk), chunk.tokens, deadline)
-            replica_us.append(response.timing.queue_us + response.timing.inference_us)
-            return unpack_tensor(getattr(response, _RESULT_FIELD[method]))
-
-        parts = await _gather([one(c) for c in chunks])
-        rows = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-        return rows, len(chunks), max(replica_us, default=0) / 1e6
+    def _check_room(self, model: str, pool: ReplicaPool, tokens: int, deadline: float) -> None:
+        """Admit a request of several chunks only when the pool can finish it, with the
+        admitted requests already in progress, within half its time: else 429 now, not
+        504 later. Replicas admit chunks, but only a request as a whole can finish."""
+        if not pool.committed_tokens:
+            return  # nothing else in progress: this request goes alone
+        rate = pool.seconds_per_token()
+        replicas = max(1, len(pool.healthy()))
+        # Unmeasured replicas (no answer yet): one multi-chunk request at a time.
+        expected = math.inf if rate is None else (pool.committed_tokens + tokens) * rate / replicas
+        if expected > 0.5 * (deadline - time.monotonic()):
+            self.metrics.shed.labels(model=model).inc()
+            raise OverloadedError(
+                "The replicas are busy with earlier requests; retry shortly.",
+                retry_after_seconds=random.randint(1, 3)
+                if math.isinf(expected)
+                else max(1, min(30, round(expected / 2))),
+            )
 
     async def _call(
-        self, model: str, method: str, request: object, tokens: int, deadline: float
+        self,
+        model: str,
+        method: str,
+        request: object,
+        tokens: int,
+        deadline: float,
+        *,
+        admitted: bool = False,
     ) -> pb.EmbedResponse | pb.ScoreResponse:
+        """One chunk on one replica, retried once on another, hedged when slow."""
         pool = self.pools[model]
         tried: set[Replica] = set()
         refusals: list[grpc.StatusCode] = []
-        for _attempt in range(2):
-            replica = pool.pick(exclude=tried)
-            if replica is None:
-                break
+        attempts: dict[asyncio.Task[Any], tuple[Replica, float]] = {}
+        hedged = False
+
+        def launch(replica: Replica) -> None:
             tried.add(replica)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineError("the request timed out before it reached a replica")
-            replica.acquire(tokens)
-            outcome = "OK"
-            try:
-                return await getattr(replica.calls, method)(request, remaining)
-            except CallFailed as exc:
-                code = exc.code()
-                outcome = code.name
-                if code in _RETRYABLE:
+            task = asyncio.ensure_future(
+                self._attempt(replica, method, request, tokens, deadline, admitted)
+            )
+            attempts[task] = (replica, time.monotonic())
+
+        try:
+            while True:
+                if not attempts:
+                    replica = pool.pick(exclude=tried) if len(tried) < 2 else None
+                    if replica is None:
+                        raise no_replica_error(model, refusals)
+                    launch(replica)
+                now = time.monotonic()
+                remaining = deadline - now
+                if remaining <= 0:
+                    raise DeadlineError("The request timed out.")
+                timeout = remaining
+                if not hedged and len(attempts) == 1:
+                    ((first, sent),) = attempts.values()
+                    hedge_at = sent + self._hedge_delay(first, tokens)
+                    timeout = min(timeout, max(0.0, hedge_at - now))
+                done, _ = await asyncio.wait(
+                    attempts, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:
+                    if time.monotonic() >= deadline:
+                        raise DeadlineError("The request timed out.")
+                    other = pool.pick(exclude=tried, unsaturated=True)
+                    hedged = True  # one hedge per chunk, whether or not a replica was free
+                    if other is not None:
+                        self.metrics.hedges.labels(model=model).inc()
+                        launch(other)
+                    continue
+                for task in done:
+                    replica, _sent = attempts.pop(task)
+                    error = task.exception()
+                    if error is None:
+                        for slow, _ in attempts.values():
+                            slow.mark_suspect()  # it stalled while another answered
+                        return task.result()  # type: ignore[no-any-return]
+                    if not isinstance(error, CallFailed):
+                        raise error
+                    code = error.code()
+                    if code not in _RETRYABLE:
+                        raise _translate(error, model) from None
                     if code == grpc.StatusCode.UNAVAILABLE:
                         replica.mark_suspect()
+                    else:
+                        replica.mark_saturated()
                     refusals.append(code)
                     self.metrics.retries.labels(model=model, reason=code.name).inc()
-                    continue
-                raise _translate(exc) from None
-            finally:
-                replica.release(tokens, outcome)
-        raise no_replica_error(model, refusals)
+        finally:
+            await _cancel_all(attempts)
+
+    async def _attempt(
+        self,
+        replica: Replica,
+        method: str,
+        request: object,
+        tokens: int,
+        deadline: float,
+        admitted: bool,
+    ) -> pb.EmbedResponse | pb.ScoreResponse:
+        replica.acquire(tokens)
+        outcome = "CANCELLED"
+        sent = time.monotonic()
+        try:
+            response = await getattr(replica.calls, method)(request, deadline - sent, admitted)
+            outcome = "OK"
+            replica.observe(tokens, time.monotonic() - sent)
+            return response  # type: ignore[no-any-return]
+        except CallFailed as exc:
+            outcome = exc.code().name
+            raise
+        finally:
+            replica.release(tokens, outcome)
+
+    def _hedge_delay(self, replica: Replica, tokens: int) -> float:
+        """How long a chunk may go unanswered before a second replica gets it too."""
+        per_token = replica.seconds_per_token
+        if per_token is None:
+            per_token = _UNMEASURED_SECONDS_PER_TOKEN
+        expected = per_token * tokens
+        return max(self.hedge_after_s, _HEDGE_FACTOR * expected)
 
 
 def no_replica_error(model: str, refusals: list[grpc.StatusCode]) -> IvyError:
@@ -187,24 +428,25 @@ def no_replica_error(model: str, refusals: list[grpc.StatusCode]) -> IvyError:
     return UnavailableError(f"No healthy replica serves model `{model}` right now.")
 
 
-def _translate(exc: CallFailed) -> IvyError:
+def _translate(exc: CallFailed, model: str) -> IvyError:
     code = exc.code()
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValidationError(exc.details() or "invalid input", param="input")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineError("The request timed out.")
-    return UpstreamError(f"A replica failed: {code.name}: {exc.details()}")
+    # The replica's own words go to the log; the client gets a generic message.
+    log.warning("ivy: a replica of %s failed a call: %s: %s", model, code.name, exc.details())
+    return UpstreamError("A replica failed to process the request.")
 
 
-async def _gather(coros: list[Coroutine[Any, Any, np.ndarray]]) -> list[np.ndarray]:
-    """Run all, cancel the rest on the first failure, re-raise it."""
-    if len(coros) == 1:
-        # One chunk (the common case): no task to schedule, await it in place.
-        return [await coros[0]]
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        raise
+async def _cancel_all(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel every task still running and wait for them, retrieving their outcomes (no
+    "exception was never retrieved" for work nobody waits for any more)."""
+    pending = [t for t in tasks if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()

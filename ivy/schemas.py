@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "UINT32_MAX",
     "EmbeddingRequest",
     "EmbeddingResponse",
     "ErrorResponse",
@@ -18,9 +19,18 @@ __all__ = [
     "TokenizeResponse",
 ]
 
+# Numeric fields are bounded to the protobuf type that carries them to Tulip (or, for
+# fields Ivy applies itself, to the same uint32 range), so an out-of-range number is a 400
+# naming the field here, never an overflow while the gRPC request is built.
+UINT32_MAX = 2**32 - 1
+
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+# A token id travels as a little-endian uint32; ids at or over the model's vocabulary size
+# are refused once the model is known.
+TokenId = Annotated[int, Field(ge=0, le=UINT32_MAX)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# A count of at least one (uint32 on the wire: EmbedRequest.dimensions).
+PositiveUInt32 = Annotated[int, Field(ge=1, le=UINT32_MAX)]
 InputType = Literal["search_query", "search_document", "query", "document", "passage", "none"]
 
 
@@ -39,7 +49,9 @@ class EmbeddingRequest(_Strict):
     ) = Field(description="Text, texts, token ids or lists of token ids (at most 2048 inputs).")
     model: str
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Annotated[int, Field(ge=1)] | None = None
+    dimensions: PositiveUInt32 | None = Field(
+        default=None, description="Keep the first N values (at most the model's size)."
+    )
     user: str | None = None
     input_type: InputType | None = Field(
         default=None,
@@ -79,9 +91,9 @@ class RerankRequest(_Strict):
     model: str
     query: NonEmptyStr
     documents: Annotated[list[str | RerankDocument], Field(min_length=1, max_length=2048)]
-    top_n: Annotated[int, Field(ge=1)] | None = None
+    top_n: PositiveUInt32 | None = None
     return_documents: bool | None = None
-    max_tokens_per_doc: Annotated[int, Field(ge=1)] | None = None
+    max_tokens_per_doc: PositiveUInt32 | None = None
 
 
 class RerankResult(BaseModel):

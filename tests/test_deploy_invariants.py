@@ -243,7 +243,11 @@ def test_k8s_tulip_drain_fits_in_the_grace_period(rendered: Rendered, code: Code
     assert liveness["periodSeconds"] * liveness["failureThreshold"] >= grace
     # Ivy must notice the pod is gone (DNS refresh) before Tulip stops taking work.
     ivy = _container(_pod(rendered.get("Deployment", "ivy")), "ivy")
-    assert pre_stop >= code.ivy(rendered.container_env(ivy)).dns_refresh_seconds
+    ivy_config = code.ivy(rendered.container_env(ivy))
+    assert pre_stop >= ivy_config.dns_refresh_seconds
+    # Work admitted just before SIGTERM may run until Ivy's deadline for it: the drain must
+    # not cut it earlier.
+    assert config.drain_seconds >= _longest_request(ivy_config), config.drain_seconds
 
 
 def test_k8s_tulip_pod_shape(rendered: Rendered, code: Code) -> None:
@@ -338,8 +342,6 @@ def test_k8s_ivy_probes_service_and_grace(rendered: Rendered, code: Code) -> Non
     assert ivy["readinessProbe"]["httpGet"]["path"] == "/health/ready"
     service = rendered.get("Service", "ivy")
     assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
-    pre_stop = ivy["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert pod["terminationGracePeriodSeconds"] > pre_stop + config.request_timeout_seconds
     hpa = rendered.get("HorizontalPodAutoscaler", "ivy")
     assert hpa["spec"]["scaleTargetRef"] == {
         "apiVersion": "apps/v1",
@@ -351,6 +353,96 @@ def test_k8s_ivy_probes_service_and_grace(rendered: Rendered, code: Code) -> Non
     ivy_labels = rendered.get("Deployment", "ivy")["spec"]["template"]["metadata"]["labels"]
     assert pdb["spec"]["selector"]["matchLabels"].items() <= ivy_labels.items()
     assert pdb["spec"]["minAvailable"] < hpa["spec"]["minReplicas"]
+
+
+def _longest_request(config: Any) -> float:
+    return max(config.request_timeout_seconds, config.generation_timeout_seconds)
+
+
+def test_k8s_ivy_drain_fits_in_the_grace_period(rendered: Rendered, code: Code) -> None:
+    from ivy.serve import EXIT_SECONDS
+
+    pod = _pod(rendered.get("Deployment", "ivy"))
+    ivy = _container(pod, "ivy")
+    config = code.ivy(rendered.container_env(ivy))
+    pre_stop = ivy["lifecycle"]["preStop"]["sleep"]["seconds"]
+    grace = pod["terminationGracePeriodSeconds"]
+    # Ivy's drain is derived from its request lifetimes; SIGKILL must come after it ends.
+    assert config.shutdown_seconds > _longest_request(config)
+    assert grace >= pre_stop + config.shutdown_seconds + EXIT_SECONDS, (grace, pre_stop)
+    # The listener closes when the drain starts: liveness must not kill the pod before.
+    liveness = ivy["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= grace
+
+
+def test_k8s_ivy_requires_api_keys(rendered: Rendered, code: Code) -> None:
+    from ivy.config import ConfigError
+
+    ivy = _container(_pod(rendered.get("Deployment", "ivy")), "ivy")
+    env = rendered.container_env(ivy)
+    assert code.ivy(env).require_api_keys
+    (keys,) = [e for e in ivy["env"] if e["name"] == "IVY_API_KEYS"]
+    secret = keys["valueFrom"]["secretKeyRef"]
+    assert secret.get("optional", False) is False, "a missing Secret must not open the API"
+    # Without a key (an empty Secret value) Ivy refuses to start, naming the setting.
+    with pytest.raises(ConfigError) as refused:
+        code.ivy({**env, "IVY_API_KEYS": ""})
+    assert refused.value.key == "require-api-keys"
+
+
+def _policy_for(rendered: Rendered, labels: Mapping[str, str]) -> dict[str, Any]:
+    (policy,) = [
+        o
+        for o in rendered.objects
+        if o["kind"] == "NetworkPolicy"
+        and o["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    ]
+    assert "Ingress" in policy["spec"]["policyTypes"]
+    return policy
+
+
+def _rule_ports(rule: Mapping[str, Any], container: Mapping[str, Any]) -> set[int]:
+    assert rule.get("ports"), "a rule without ports opens every port"
+    out = set()
+    for port in rule["ports"]:
+        assert port.get("protocol", "TCP") == "TCP"
+        number = port["port"]
+        out.add(_port(container, number) if isinstance(number, str) else number)
+    return out
+
+
+def test_k8s_network_policies_guard_tulip(rendered: Rendered, code: Code) -> None:
+    tulip_deployment = rendered.get("Deployment", "tulip")
+    tulip_labels = tulip_deployment["spec"]["template"]["metadata"]["labels"]
+    tulip = _container(_pod(tulip_deployment), "tulip")
+    config = code.tulip(rendered.container_env(tulip))
+    ivy_deployment = rendered.get("Deployment", "ivy")
+    ivy_labels = ivy_deployment["spec"]["template"]["metadata"]["labels"]
+    ivy = _container(_pod(ivy_deployment), "ivy")
+    policy = _policy_for(rendered, tulip_labels)
+    sources_by_port: dict[int, list[dict[str, Any]]] = {}
+    for rule in policy["spec"]["ingress"]:
+        assert rule.get("from"), "a rule without sources lets every pod in"
+        for port in _rule_ports(rule, tulip):
+            sources_by_port.setdefault(port, []).extend(rule["from"])
+    # Only the gRPC and metrics ports are reachable at all.
+    assert set(sources_by_port) == {config.port, config.metrics_port}
+    # gRPC: the Ivy pods of this namespace and nothing else.
+    for source in sources_by_port[config.port]:
+        assert set(source) == {"podSelector"}, source
+        selector = source["podSelector"]["matchLabels"]
+        assert selector and selector.items() <= ivy_labels.items()
+        assert not selector.items() <= tulip_labels.items()
+    # Metrics: a monitoring namespace's Prometheus pods, never every namespace or pod.
+    for source in sources_by_port[config.metrics_port]:
+        assert source.get("namespaceSelector", {}).get("matchLabels"), source
+        assert source.get("podSelector", {}).get("matchLabels"), source
+        assert "ipBlock" not in source
+    # Ivy itself stays reachable on its HTTP port from anywhere, and on nothing else.
+    ivy_config = code.ivy(rendered.container_env(ivy))
+    (ivy_rule,) = _policy_for(rendered, ivy_labels)["spec"]["ingress"]
+    assert "from" not in ivy_rule
+    assert _rule_ports(ivy_rule, ivy) == {ivy_config.port}
 
 
 # --------------------------------------------------------------------------- images
@@ -593,10 +685,16 @@ def test_compose_ivy_reaches_every_replica(compose: dict[str, Any], code: Code) 
 def test_compose_drain_and_healthchecks(
     compose: dict[str, Any], code: Code, stages: dict[str, list[dict[str, Any]]]
 ) -> None:
+    from ivy.serve import EXIT_SECONDS
+
+    ivy_service = compose["services"]["ivy"]
+    ivy = code.ivy(ivy_service["environment"])
+    assert _seconds(ivy_service["stop_grace_period"]) >= ivy.shutdown_seconds + EXIT_SECONDS
     for name, service in _tulips(compose).items():
         config = code.tulip(service["environment"])
         grace = _seconds(service["stop_grace_period"])
-        assert grace > config.drain_seconds, name
+        assert grace >= config.drain_seconds + 5, name
+        assert config.drain_seconds >= _longest_request(ivy), name
         target = service["image"].partition(":")[0].split("/")[-1]
         health = _last(_stage_chain(stages, target), "HEALTHCHECK")
         assert service["healthcheck"]["test"] == list(health["value"]), name
@@ -660,6 +758,19 @@ def test_compose_prometheus_scrapes_both(tools: Tools, code: Code) -> None:
         (alias,) = service["networks"]["default"]["aliases"]
         targets.append(f"{alias}:{config.metrics_port}")
     assert jobs["tulip"]["static_configs"][0]["targets"] == targets
+
+
+def test_compose_publishes_on_loopback_unless_told(tools: Tools) -> None:
+    # A workstation's ports stay on loopback; publishing wider is a choice (documented).
+    def published(env: Mapping[str, str]) -> dict[str, set[str]]:
+        services = check.compose_config(tools, ("cpu", "metrics"), env)["services"]
+        return {
+            name: {p["host_ip"] for p in s["ports"]} for name, s in services.items() if "ports" in s
+        }
+
+    assert published({}) == {"ivy": {"127.0.0.1"}, "prometheus": {"127.0.0.1"}}
+    assert published({"IVY_PUBLISH_ADDRESS": "0.0.0.0"})["ivy"] == {"0.0.0.0"}
+    assert published({"PROMETHEUS_PUBLISH_ADDRESS": "0.0.0.0"})["prometheus"] == {"0.0.0.0"}
 
 
 def _seconds(duration: str) -> float:

@@ -2,7 +2,8 @@
 with the environment the rendered cpu overlay gives them (ports moved to free ones, /models
 mapped to the local asset cache), and the checks the cluster and Docker run against them answer
 as they must: the gRPC probe's service is SERVING, the container health check script passes,
-Ivy discovers Tulip through DNS and serves an embedding, and SIGTERM drains Tulip to exit 0."""
+Ivy refuses to start without the API-key Secret, discovers Tulip through DNS and serves an
+embedding to a key holder, and SIGTERM drains Ivy and Tulip to exit 0."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -199,27 +201,47 @@ def test_ivy_discovers_tulip_by_dns_and_serves(
         IVY_MODEL=env["IVY_MODEL"].replace(f"={mount}/", f"={models_dir}/"),
         TRELLIS_MODELS_DIR=str(models_dir),
     )
+    command = _command(cpu_overlay["entrypoints"]["ivy"])
+    # Without the Secret's keys the manifest's settings refuse to start, naming the setting.
+    assert env["IVY_REQUIRE_API_KEYS"] == "true"
+    refused = subprocess.run(
+        command,
+        env={**os.environ, **env, "IVY_API_KEYS": ""},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert "require-api-keys" in refused.stderr
+    env["IVY_API_KEYS"] = "runtime-key"  # what the Secret `ivy-api-keys` provides
     proc = subprocess.Popen(
-        _command(cpu_overlay["entrypoints"]["ivy"]),
+        command,
         env={**os.environ, **env},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
         _wait(lambda: _healthcheck("ivy", env=env).returncode == 0, "ivy ready", proc, 180.0)
+        url = f"http://127.0.0.1:{env['IVY_PORT']}/v1/embeddings"
+        data = json.dumps({"model": name, "input": ["query: how do trellises work"]}).encode()
+        anonymous = urllib.request.Request(
+            url, data=data, headers={"Content-Type": "application/json"}
+        )
+        with pytest.raises(urllib.error.HTTPError) as unauthorized:
+            urllib.request.urlopen(anonymous, timeout=60)
+        assert unauthorized.value.code == 401
         request = urllib.request.Request(
-            f"http://127.0.0.1:{env['IVY_PORT']}/v1/embeddings",
-            data=json.dumps({"model": name, "input": ["query: how do trellises work"]}).encode(),
-            headers={"Content-Type": "application/json"},
+            url,
+            data=data,
+            headers={"Content-Type": "application/json", "Authorization": "Bearer runtime-key"},
         )
         with urllib.request.urlopen(request, timeout=60) as reply:
             body = json.loads(reply.read())
         (item,) = body["data"]
         assert len(item["embedding"]) == 384
-        # SIGTERM stops Ivy well inside its grace period. uvicorn re-raises the signal after
-        # its graceful shutdown, so the status is -SIGTERM (or 0), never a hang until SIGKILL.
+        # SIGTERM with nothing in flight: a clean drain, well inside the grace period, exits 0.
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
     finally:
         _stop(proc)
 

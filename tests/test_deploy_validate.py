@@ -38,6 +38,7 @@ def test_overlay_renders_and_validates_strict(tools: Tools, overlay: check.Overl
         "ConfigMap",
         "Deployment",
         "HorizontalPodAutoscaler",
+        "NetworkPolicy",
         "PodDisruptionBudget",
         "Service",
     ]
@@ -46,11 +47,18 @@ def test_overlay_renders_and_validates_strict(tools: Tools, overlay: check.Overl
     assert "passed" in report
 
 
-def test_strict_validation_rejects_unknown_field(tools: Tools) -> None:
+@pytest.mark.parametrize(
+    ("field", "typo"),
+    [
+        ("terminationGracePeriodSeconds:", "terminationGracePeriod:"),
+        ("policyTypes:", "policyType:"),  # NetworkPolicy objects are checked too
+    ],
+)
+def test_strict_validation_rejects_unknown_field(tools: Tools, field: str, typo: str) -> None:
     rendered = check.render_overlay(tools, check.overlays()[0])
-    broken = rendered.replace("terminationGracePeriodSeconds:", "terminationGracePeriod:", 1)
+    broken = rendered.replace(field, typo, 1)
     assert broken != rendered
-    with pytest.raises(check.CheckError, match="terminationGracePeriod"):
+    with pytest.raises(check.CheckError, match=typo.rstrip(":")):
         check.kubernetes_validate(tools, broken, "broken")
 
 

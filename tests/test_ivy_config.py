@@ -73,3 +73,57 @@ def test_errors_name_the_key(model_dir: Path, argv: list[str], env: dict, key: s
         parse_config(argv, env)
     assert info.value.key == key
     assert str(info.value).startswith(f"{key}:")
+
+
+def test_require_api_keys_refuses_to_start_without_a_key(model_dir: Path, tmp_path: Path) -> None:
+    base = ["--model", f"e5={model_dir}", "--replicas", "e5=h:1"]
+    assert parse_config(base, {}).require_api_keys is False  # local runs stay open by default
+    for argv, env in (
+        ([*base, "--require-api-keys"], {}),
+        (base, {"IVY_REQUIRE_API_KEYS": "true"}),
+        (base, {"IVY_REQUIRE_API_KEYS": "1", "IVY_API_KEYS": " , "}),
+        ([*base, "--require-api-keys", "--api-keys-file", str(tmp_path / "empty")], {}),
+    ):
+        (tmp_path / "empty").write_text("# no keys yet\n")
+        with pytest.raises(ConfigError) as info:
+            parse_config(argv, env)
+        assert info.value.key == "require-api-keys"
+        assert "IVY_API_KEYS" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        parse_config(base, {"IVY_REQUIRE_API_KEYS": "maybe"})
+    assert info.value.key == "require-api-keys"
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("k3\n")
+    assert parse_config(
+        base, {"IVY_REQUIRE_API_KEYS": "true", "IVY_API_KEYS": "k1"}
+    ).require_api_keys
+    from_file = parse_config([*base, "--require-api-keys", "--api-keys-file", str(keys_file)], {})
+    assert from_file.require_api_keys and from_file.all_api_keys() == {"k3"}
+    # The flag wins over the environment.
+    no = parse_config([*base, "--no-require-api-keys"], {"IVY_REQUIRE_API_KEYS": "true"})
+    assert no.require_api_keys is False
+    round_trip = parse_config([*base, "--require-api-keys"], {"IVY_API_KEYS": "k1"})
+    assert IvyConfig.from_json(round_trip.to_json()) == round_trip
+
+
+def test_main_exits_2_naming_the_key(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ivy.__main__ import main
+
+    monkeypatch.delenv("IVY_API_KEYS", raising=False)
+    monkeypatch.setenv("IVY_REQUIRE_API_KEYS", "true")
+    assert main(["--model", f"e5={model_dir}", "--replicas", "e5=h:1"]) == 2
+    assert "require-api-keys:" in capsys.readouterr().err
+
+
+def test_shutdown_outlasts_the_longest_request(model_dir: Path) -> None:
+    from ivy.config import SHUTDOWN_MARGIN_SECONDS
+
+    base = ["--model", f"e5={model_dir}", "--replicas", "e5=h:1"]
+    default = parse_config(base, {})
+    assert default.shutdown_seconds == 600.0 + SHUTDOWN_MARGIN_SECONDS
+    short = parse_config(
+        [*base, "--request-timeout-seconds", "20", "--generation-timeout-seconds", "8"], {}
+    )
+    assert short.shutdown_seconds == 20.0 + SHUTDOWN_MARGIN_SECONDS

@@ -9,10 +9,13 @@ End-to-end tests with real Tulip processes and real weights are in test_e2e_ivy.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import json
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -23,6 +26,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -34,10 +38,13 @@ from schemathesis_run import assert_no_server_error
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from ivy.app import create_app
+from ivy.calls import CallFailed, CallMux
 from ivy.config import IvyConfig
+from ivy.replicas import SATURATED_SECONDS
+from ivy.serve import uvicorn_config
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
-from protos.wire import pack_tensor, unpack_token_batch
+from protos.wire import pack_tensor, pack_token_batch, unpack_tensor, unpack_token_batch
 
 DIMS = 8
 MAX_TOKENS = 32
@@ -58,17 +65,25 @@ def truncate_renorm(v: np.ndarray, dims: int) -> np.ndarray:
 
 @dataclass
 class StandIn(pb_grpc.InferenceServicer):
-    mode: str = "ok"  # ok | exhausted | unavailable | slow
+    mode: str = "ok"  # ok | exhausted | unavailable | slow | stall | broken
     calls: list[int] = field(default_factory=list)  # inputs per call
+    received: int = 0  # calls that reached this replica, answered or refused
+    cancels: list[int] = field(default_factory=list)  # ids of `cancel` messages on Calls
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _refusal(self) -> tuple[grpc.StatusCode, str] | None:
+        with self.lock:
+            self.received += 1
         if self.mode == "exhausted":
             return grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full"
         if self.mode == "unavailable":
             return grpc.StatusCode.UNAVAILABLE, "draining"
+        if self.mode == "broken":
+            return grpc.StatusCode.INTERNAL, "engine crashed in /srv/secret/path.py"
         if self.mode == "slow":
             time.sleep(0.3)
+        if self.mode == "stall":  # a frozen replica, as far as its callers can tell
+            time.sleep(3.0)
         return None
 
     def _embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
@@ -122,6 +137,8 @@ class StandIn(pb_grpc.InferenceServicer):
             try:
                 for call in requests:
                     if call.WhichOneof("call") == "cancel":
+                        with self.lock:
+                            self.cancels.append(call.id)
                         continue
                     worker = threading.Thread(target=answer, args=(call,), daemon=True)
                     worker.start()
@@ -199,9 +216,7 @@ class _Server(uvicorn.Server):
 
 
 def _serve(config: IvyConfig) -> tuple[_Server, threading.Thread, str]:
-    server = _Server(
-        uvicorn.Config(create_app(config), host="127.0.0.1", port=config.port, log_level="error")
-    )
+    server = _Server(uvicorn_config(config, app=create_app(config)))  # as `python -m ivy`
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{config.port}"
@@ -240,6 +255,7 @@ def client(ivy: str, replicas: list[tuple[StandIn, str]]) -> Iterator[httpx.Clie
         yield c
     for servicer, _ in replicas:
         servicer.mode = "ok"
+    time.sleep(SATURATED_SECONDS)  # refusals a test provoked no longer steer the next one
 
 
 def expected(tok: Tokenizer, texts: list[str]) -> np.ndarray:
@@ -363,6 +379,11 @@ def test_retry_on_other_replica_then_429_then_503(
     r = client.post("/v1/embeddings", json={"input": "w1", "model": "fake"})
     assert_error(r, 429)
     assert r.headers["retry-after"].isdigit()
+    # Both just refused for capacity: for a moment Ivy sheds new requests itself ...
+    seen = a.received + b.received
+    assert_error(client.post("/v1/embeddings", json={"input": "w1", "model": "fake"}), 429)
+    assert a.received + b.received == seen  # ... without asking them
+    time.sleep(SATURATED_SECONDS + 0.05)
     a.mode = b.mode = "unavailable"
     assert_error(client.post("/v1/embeddings", json={"input": "w1", "model": "fake"}), 503)
     a.mode = b.mode = "ok"
@@ -595,3 +616,212 @@ def test_replicas_from_dns_name(
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+# -- reliability: the Calls stream, hedging, disconnects, errors ---------------------------
+
+
+def test_a_cancelled_caller_never_cancels_the_shared_stream(
+    replicas: list[tuple[StandIn, str]],
+) -> None:
+    """grpc.aio cancels a whole RPC when an awaited write is cancelled: callers must
+    never await the shared stream's writes (ivy/calls.py)."""
+    (a, address), _ = replicas
+    a.mode = "slow"
+
+    async def main() -> None:
+        channel = grpc.aio.insecure_channel(address)
+        mux = CallMux(pb_grpc.InferenceStub(channel))
+        request = pb.EmbedRequest(
+            inputs=pack_token_batch(np.array([2, 5, 3], np.uint32), np.array([3], np.uint32))
+        )
+        try:
+            for _ in range(20):  # callers cancelled at every stage of their call
+                doomed = asyncio.ensure_future(mux.embed(request, 10.0))
+                kept = asyncio.ensure_future(mux.embed(request, 10.0))
+                await asyncio.sleep(random.choice((0, 0, 0.001, 0.01)))
+                doomed.cancel()
+                answer = await kept  # same stream, unharmed
+                assert unpack_tensor(answer.embeddings).shape == (1, DIMS)
+        finally:
+            await mux.close()
+            await channel.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        a.mode = "ok"
+    assert a.cancels, "the cancelled callers' requests were not withdrawn from the replica"
+
+
+def test_each_waiter_of_a_broken_stream_gets_its_own_error() -> None:
+    servicer = StandIn(mode="stall")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pb_grpc.add_InferenceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+
+    async def main() -> list[BaseException]:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        mux = CallMux(pb_grpc.InferenceStub(channel))
+        request = pb.EmbedRequest(
+            inputs=pack_token_batch(np.array([2], np.uint32), np.array([1], np.uint32))
+        )
+        calls = [asyncio.ensure_future(mux.embed(request, 10.0)) for _ in range(3)]
+        await asyncio.sleep(0.3)
+        server.stop(0)
+        errors = await asyncio.gather(*calls, return_exceptions=True)
+        await mux.close()
+        await channel.close()
+        return errors
+
+    errors = asyncio.run(main())
+    assert all(isinstance(e, CallFailed) for e in errors), errors
+    assert {e.code() for e in errors} == {grpc.StatusCode.UNAVAILABLE}  # type: ignore[attr-defined]
+    assert len({id(e) for e in errors}) == 3  # one instance each: no shared traceback
+
+
+@contextlib.contextmanager
+def ivy_with(
+    model_dir: Path, replicas: list[tuple[StandIn, str]], **settings: Any
+) -> Iterator[str]:
+    """An Ivy of its own, with `settings` on top of the defaults, for one test."""
+    config = IvyConfig(
+        port=free_port(),
+        models={"fake": str(model_dir)},
+        replicas={"fake": tuple(a for _, a in replicas)},
+        health_interval_seconds=0.2,
+        **settings,
+    )
+    server, thread, base = _serve(config)
+    try:
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_a_stalled_replica_is_hedged_and_marked_suspect(
+    model_dir: Path, replicas: list[tuple[StandIn, str]]
+) -> None:
+    (a, _), (b, _) = replicas
+    with ivy_with(model_dir, replicas, hedge_after_seconds=0.3) as base:
+        try:
+            a.mode = "stall"
+            with httpx.Client(base_url=base, timeout=30) as http:
+                for i in range(6):
+                    start = time.monotonic()
+                    r = http.post("/v1/embeddings", json={"input": f"w{i + 1}", "model": "fake"})
+                    assert r.status_code == 200, r.text
+                    assert time.monotonic() - start < 2.0  # not the stalled replica's 3 s
+                metrics = http.get("/metrics").text
+            assert 'ivy_hedges_total{model="fake"} ' in metrics
+            hedges = float(metrics.split('ivy_hedges_total{model="fake"} ')[1].split()[0])
+            # The first request that met `a` was hedged; `a` was then avoided as suspect.
+            assert 1 <= hedges <= 3, hedges
+            deadline = time.monotonic() + 5
+            while not a.cancels and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert a.cancels, "the losing call was not cancelled on the stalled replica"
+        finally:
+            a.mode = b.mode = "ok"
+
+
+def test_a_client_that_disconnects_cancels_its_chunks(
+    ivy: str, replicas: list[tuple[StandIn, str]]
+) -> None:
+    (a, _), (b, _) = replicas
+    before = len(a.cancels) + len(b.cancels)
+    a.mode = b.mode = "stall"
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{ivy}/v1/embeddings", json={"input": "w1", "model": "fake"}, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while len(a.cancels) + len(b.cancels) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(a.cancels) + len(b.cancels) > before, "the replica kept the orphaned work"
+    finally:
+        a.mode = b.mode = "ok"
+
+
+def test_replica_failures_reach_clients_as_a_generic_message_with_a_request_id(
+    client: httpx.Client, replicas: list[tuple[StandIn, str]]
+) -> None:
+    for servicer, _ in replicas:
+        servicer.mode = "broken"
+    r = client.post(
+        "/v1/embeddings", json={"input": "w1", "model": "fake"}, headers={"X-Request-Id": "abc-1"}
+    )
+    err = assert_error(r, 502)
+    assert r.headers["x-request-id"] == "abc-1"
+    assert "abc-1" in err["message"]
+    assert "secret" not in r.text and "crashed" not in r.text
+    ok = client.post("/v1/embeddings", json={"input": "w1", "model": "fake"})
+    assert ok.status_code == 502 and len(ok.headers["x-request-id"]) == 32  # ids are made
+
+
+def test_auth_is_checked_before_the_body_is_read(
+    model_dir: Path, replicas: list[tuple[StandIn, str]]
+) -> None:
+    with ivy_with(model_dir, replicas, api_keys=("k1",)) as base:
+        port = int(base.rpartition(":")[2])
+        for auth in (b"", b"Authorization: Bearer wrong\r\n", b"Authorization: \xff\xfe\r\n"):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                # Declares 20 MB and sends none of it: the answer must not wait for it.
+                sock.sendall(
+                    b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n"
+                    + auth
+                    + b"Content-Type: application/json\r\nContent-Length: 20000000\r\n\r\n"
+                )
+                start = time.monotonic()
+                head = sock.recv(4096)
+                assert time.monotonic() - start < 1.0
+                assert head.startswith(b"HTTP/1.1 401"), head
+                assert b"invalid_api_key" in head or b"www-authenticate" in head.lower()
+
+
+def test_tokenize_and_rerank_query_have_a_character_cap(
+    model_dir: Path, replicas: list[tuple[StandIn, str]]
+) -> None:
+    with ivy_with(model_dir, replicas, max_input_chars=100) as base:
+        long = " ".join(["w1"] * 60)  # 179 characters
+        r = httpx.post(f"{base}/tokenize", json={"model": "fake", "input": ["w2", long]})
+        err = assert_error(r, 400, "input")
+        assert "Input 1 has 179 characters" in err["message"]
+        r = httpx.post(
+            f"{base}/v1/rerank", json={"model": "fake", "query": long, "documents": ["w2"]}
+        )
+        assert_error(r, 400, "query")
+        r = httpx.post(f"{base}/tokenize", json={"model": "fake", "input": "w2 w3"})
+        assert r.status_code == 200
+
+
+def test_slow_clients_are_cut_off_after_the_read_timeout(
+    model_dir: Path, replicas: list[tuple[StandIn, str]]
+) -> None:
+    with ivy_with(model_dir, replicas, read_timeout_seconds=1.0) as base:
+        port = int(base.rpartition(":")[2])
+        # Headers a byte at a time, never finished: 408 and closed after ~1 s.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            start = time.monotonic()
+            sock.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\n")
+            for _ in range(4):
+                time.sleep(0.1)
+                sock.sendall(b"X")
+            answer = sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            assert sock.recv(4096) == b""  # closed
+            assert 0.9 < time.monotonic() - start < 3.0
+        # A body that stops halfway: the connection is closed after ~1 s, and the
+        # request is dropped (counted as a client that left), not left waiting.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            start = time.monotonic()
+            sock.sendall(
+                b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b'\r\nContent-Length: 100\r\n\r\n{"model": '
+            )
+            assert sock.recv(4096) == b""
+            assert 0.9 < time.monotonic() - start < 3.0
+        # Patient clients are unaffected.
+        r = httpx.post(f"{base}/v1/embeddings", json={"input": "w1", "model": "fake"})
+        assert r.status_code == 200

@@ -13,7 +13,7 @@ from tulip.config import ConfigError, TulipConfig, env_name
 def test_defaults_match_the_documented_interface() -> None:
     config = TulipConfig.from_args(["--model", "multilingual-e5-small"], {})
     assert (config.host, config.port, config.metrics_port) == ("0.0.0.0", 50051, 9100)
-    assert (config.max_batch_tokens, config.max_batch_rows) == (16384, 256)
+    assert (config.max_batch_tokens, config.max_batch_rows) == (0, 256)  # 0: by device
     assert config.max_queued_tokens == 262144
     assert config.device == "auto" and config.dtype == "auto"
     assert config.cuda_graphs is True and config.drain_seconds == 30.0

@@ -20,7 +20,7 @@ import pytest
 from tulip.errors import DeadlineExpired, Draining, EngineFailed, Overloaded
 from tulip.inputs import Work
 from tulip.metrics import Metrics
-from tulip.scheduler import BatchInputs, BatchLimits, Result, Scheduler
+from tulip.scheduler import BatchInputs, BatchLimits, Result, Scheduler, ServiceTime
 
 
 class StepDouble:
@@ -80,6 +80,7 @@ def run(
     max_batch_tokens: int = 100,
     max_batch_rows: int = 100,
     max_queued_tokens: int = 1000,
+    max_queue_seconds: float | None = None,
 ) -> Metrics:
     metrics = Metrics()
     double = StepDouble()
@@ -91,6 +92,7 @@ def run(
                 max_batch_tokens=max_batch_tokens,
                 max_batch_rows=max_batch_rows,
                 max_queued_tokens=max_queued_tokens,
+                max_queue_seconds=max_queue_seconds,
             ),
             metrics,
         )
@@ -387,3 +389,81 @@ def test_a_request_the_engine_cannot_run_does_not_fail_its_batch_neighbours() ->
 
     metrics = run(body)
     assert sample(metrics, "tulip_isolated_requests_total") == 3
+
+
+# -- admission by time --------------------------------------------------------------------
+
+
+def test_service_time_fits_fixed_and_per_token_cost() -> None:
+    fit = ServiceTime()
+    assert not fit.known
+    for tokens in (100, 1000, 400, 2000, 50):
+        fit.observe(tokens, 0.01 + 1e-4 * tokens)
+    fixed, per_token = fit.coefficients()
+    assert fixed == pytest.approx(0.01, rel=1e-6)
+    assert per_token == pytest.approx(1e-4, rel=1e-6)
+    assert fit.seconds(3000, batches=2) == pytest.approx(0.02 + 0.3, rel=1e-6)
+
+
+def test_service_time_of_one_batch_size_charges_everything_per_token() -> None:
+    fit = ServiceTime()
+    fit.observe(32, 0.032)
+    fit.observe(32, 0.032)
+    assert fit.coefficients() == (0.0, pytest.approx(1e-3))
+    assert fit.seconds(1000) == pytest.approx(1.0)  # never under the measured rate
+
+
+def test_admission_refuses_work_that_would_wait_longer_than_the_bound() -> None:
+    async def body(scheduler: Scheduler, double: StepDouble, _: Metrics) -> None:
+        scheduler.observe_batch(10, 1.0)  # 0.1 s per token, as measured
+        # An idle engine takes a request whatever it costs ...
+        running = scheduler.submit(tokens_work(10))
+        await settle()
+        assert scheduler.estimated_wait(time.monotonic()) == pytest.approx(1.0, abs=0.05)
+        # ... but nothing that would wait ~1 s behind it, with a 0.5 s bound.
+        with pytest.raises(Overloaded, match=r"about 1\.\d\ds of work ahead, limit 0\.50s"):
+            scheduler.submit(tokens_work(1, start=50))
+        double.finish(0)
+        await settle()
+        assert scheduler.estimated_wait(time.monotonic()) == 0.0
+        after = scheduler.submit(tokens_work(1, start=50))  # room again
+        await settle()
+        double.finish(1)
+        await asyncio.gather(running, after)
+
+    run(body, max_queue_seconds=0.5)
+
+
+def test_admission_refuses_what_cannot_finish_before_its_deadline() -> None:
+    async def body(scheduler: Scheduler, double: StepDouble, _: Metrics) -> None:
+        scheduler.observe_batch(10, 1.0)
+        running = scheduler.submit(tokens_work(10))
+        await settle()
+        now = time.monotonic()
+        with pytest.raises(Overloaded, match="before the request's deadline"):
+            scheduler.submit(tokens_work(2, start=50), deadline=now + 1.1)  # needs ~1.2 s
+        fits = scheduler.submit(tokens_work(2, start=60), deadline=now + 60)
+        double.finish(0)
+        await settle()
+        double.finish(1)
+        await asyncio.gather(running, fits)
+
+    metrics = run(body)
+    assert sample(metrics, "tulip_dropped_requests_total", reason="deadline") == 0
+
+
+def test_admission_learns_the_engine_speed_from_finished_batches() -> None:
+    async def body(scheduler: Scheduler, double: StepDouble, _: Metrics) -> None:
+        first = scheduler.submit(tokens_work(10))
+        await settle()
+        await asyncio.sleep(0.2)  # the "engine" takes ~0.2 s for 10 tokens
+        double.finish(0)
+        await first
+        blocker = scheduler.submit(tokens_work(10, start=5))
+        await settle()
+        wait = scheduler.estimated_wait(time.monotonic())
+        assert 0.15 < wait < 0.3
+        double.finish(1)
+        await blocker
+
+    run(body)

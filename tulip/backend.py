@@ -36,6 +36,8 @@ _KINDS = {
 }
 _POOLINGS = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS, "last": pb.POOLING_LAST_TOKEN}
 _WARMUP_TOKENS = 16
+_CPU_BATCH_TOKENS = 2048
+_GPU_BATCH_TOKENS = 16384
 
 
 def resolve_model_dir(model: str) -> Path:
@@ -109,6 +111,13 @@ class RoseBackend:
         )
         return cls(engine, config.model_name or model_dir.name, _token_types(model_dir))
 
+    @property
+    def default_batch_tokens(self) -> int:
+        """The batch token budget when none is configured: a GPU gains throughput up to
+        large batches; a CPU is saturated by a few hundred tokens, so larger batches only
+        make small requests wait for big neighbours."""
+        return _CPU_BATCH_TOKENS if self._on_cpu else _GPU_BATCH_TOKENS
+
     # -- the scheduler's Backend protocol ------------------------------------------------
 
     def step(self, batch: BatchInputs) -> Awaitable[np.ndarray]:
@@ -144,7 +153,10 @@ class RoseBackend:
         length = min(_WARMUP_TOKENS, limits.max_input_tokens)
         ids = (np.arange(2 * length, dtype=np.uint32) % limits.vocab_size).astype(np.uint32)
         lengths = np.array([length, length], dtype=np.uint32)
-        first = lengths // 2 if limits.kind == "cross-encoder" else None
+        # Pairs as `score_work` admits them: a model with one token type (XLM-R
+        # cross-encoders such as bge-reranker) gets no segments, i.e. type 0 throughout.
+        pairs = limits.kind == "cross-encoder" and limits.token_types > 1
+        first = lengths // 2 if pairs else None
         batch = BatchInputs(
             ids=ids, lengths=lengths, first_segment_lengths=first, pooling=None, normalize=None
         )

@@ -38,9 +38,13 @@ _METHODS = {"embed": "Embed", "score": "Score"}
 class CallHandler(Protocol):
     """The unary handlers' work, without their gRPC context (`InferenceService`)."""
 
-    async def embed(self, request: pb.EmbedRequest, deadline: float | None) -> pb.EmbedResponse: ...
+    async def embed(
+        self, request: pb.EmbedRequest, deadline: float | None, admitted: bool = False
+    ) -> pb.EmbedResponse: ...
 
-    async def score(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse: ...
+    async def score(
+        self, request: pb.ScoreRequest, deadline: float | None, admitted: bool = False
+    ) -> pb.ScoreResponse: ...
 
 
 def _error(call_id: int, code: grpc.StatusCode, message: str) -> pb.CallResponse:
@@ -71,11 +75,11 @@ async def serve_calls(
         try:
             if kind == "embed":
                 response = pb.CallResponse(
-                    id=call.id, embed=await handler.embed(call.embed, deadline)
+                    id=call.id, embed=await handler.embed(call.embed, deadline, call.admitted)
                 )
             else:
                 response = pb.CallResponse(
-                    id=call.id, score=await handler.score(call.score, deadline)
+                    id=call.id, score=await handler.score(call.score, deadline, call.admitted)
                 )
             status = "OK"
         except TulipError as error:

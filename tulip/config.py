@@ -45,9 +45,15 @@ class TulipConfig:
     """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
     dtype: str = "auto"
     """``auto`` (the engine's choice for the device), ``float32``, ``bfloat16`` or ``float16``."""
-    max_batch_tokens: int = 16384
+    max_batch_tokens: int = 0
+    """Token budget of one encoder batch; 0: the backend's choice for its device (16384 on
+    a GPU; 2048 on a CPU, where a bigger batch adds latency for every request in it and
+    no throughput)."""
     max_batch_rows: int = 256
     max_queued_tokens: int = 262144
+    max_queue_seconds: float = 1.0
+    """Admission by time: refuse (RESOURCE_EXHAUSTED) work that would wait longer than this
+    for the engine, by the engine's measured speed; 0 turns the time bound off."""
     cuda_graphs: bool = True
     metrics_port: int = 9100
     """Port of the Prometheus endpoint; 0 disables it."""
@@ -98,13 +104,20 @@ class TulipConfig:
             raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.max_batch_tokens < 0:
+            raise ConfigError(
+                f"--max-batch-tokens must not be negative, got {self.max_batch_tokens}"
+            )
         for key, value in (
-            ("--max-batch-tokens", self.max_batch_tokens),
             ("--max-batch-rows", self.max_batch_rows),
             ("--max-queued-tokens", self.max_queued_tokens),
         ):
             if value < 1:
                 raise ConfigError(f"{key} must be at least 1, got {value}")
+        if self.max_queue_seconds < 0:
+            raise ConfigError(
+                f"--max-queue-seconds must not be negative, got {self.max_queue_seconds}"
+            )
         if self.drain_seconds < 0:
             raise ConfigError(f"--drain-seconds must not be negative, got {self.drain_seconds}")
         if self.threads is not None and self.threads < 1:
@@ -209,9 +222,18 @@ def _parser() -> argparse.ArgumentParser:
     add("--port", type=int, help="gRPC port (default 50051)")
     add("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     add("--dtype", help="auto | float32 | bfloat16 | float16 (default auto)")
-    add("--max-batch-tokens", type=int, help="token budget of one batch (default 16384)")
+    add(
+        "--max-batch-tokens",
+        type=int,
+        help="token budget of one batch, 0: by device (default: 16384 on GPU, 2048 on CPU)",
+    )
     add("--max-batch-rows", type=int, help="row cap of one batch (default 256)")
     add("--max-queued-tokens", type=int, help="admission limit on queued tokens (default 262144)")
+    add(
+        "--max-queue-seconds",
+        type=float,
+        help="refuse work that would wait longer than this for the engine, 0: no bound (default 2)",
+    )
     add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="CUDA graphs")
     add("--metrics-port", type=int, help="Prometheus port, 0 disables (default 9100)")
     add("--drain-seconds", type=float, help="grace period on SIGTERM (default 30)")

@@ -7,6 +7,11 @@ scheduler:
 * fills a batch from the head of the queue up to ``max_batch_tokens`` and
   ``max_batch_rows``, never splitting a request; a request bigger than the budget runs on
   its own;
+* admits by time, not only by tokens: from the batches it has run it estimates how long
+  the work ahead of a new request takes (`ServiceTime`), and refuses at once
+  (`Overloaded`, RESOURCE_EXHAUSTED) a request that would wait longer than
+  ``max_queue_seconds`` or could not finish before its deadline, so admitted work is
+  answered in time and overload turns into quick refusals a gateway can retry elsewhere;
 * drops requests whose future was cancelled (the client went away) or whose deadline has
   passed, before they reach the engine;
 * keeps at most two batches with the engine: batch N running and batch N+1 already formed
@@ -72,6 +77,50 @@ class BatchLimits:
     max_batch_tokens: int
     max_batch_rows: int
     max_queued_tokens: int
+    max_queue_seconds: float | None = None
+    """Refuse work that would wait longer than this for the engine; None: no time bound."""
+
+
+class ServiceTime:
+    """How long the engine takes for a batch of n tokens: ``fixed + per_token * n``,
+    fitted by least squares over the recent batches (exponentially forgotten).
+
+    With batches of one size only, the fit has no slope to find; then the whole time is
+    charged per token (an over-estimate for small batches, never an under-estimate).
+    """
+
+    _DECAY = 0.9  # weight kept by the history at each new batch (~10 batches' memory)
+
+    def __init__(self) -> None:
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    @property
+    def known(self) -> bool:
+        return self._w > 0.0
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        d = self._DECAY
+        x, y = float(tokens), max(0.0, seconds)
+        self._w = d * self._w + 1.0
+        self._x = d * self._x + x
+        self._y = d * self._y + y
+        self._xx = d * self._xx + x * x
+        self._xy = d * self._xy + x * y
+
+    def coefficients(self) -> tuple[float, float]:
+        """(fixed seconds per batch, seconds per token)."""
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mean_x * mean_x
+        if var > 1e-9 * max(1.0, mean_x * mean_x):
+            per_token = (self._xy / self._w - mean_x * mean_y) / var
+            fixed = mean_y - per_token * mean_x
+            if per_token > 0.0 and fixed >= 0.0:
+                return fixed, per_token
+        return 0.0, mean_y / max(mean_x, 1.0)
+
+    def seconds(self, tokens: int, batches: int = 1) -> float:
+        fixed, per_token = self.coefficients()
+        return batches * fixed + tokens * per_token
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,6 +172,7 @@ class Scheduler:
         self._queued_requests = 0
         self._flights: collections.deque[_Flight] = collections.deque()
         self._idle = asyncio.Event()
+        self._service = ServiceTime()
         self._started = False
         self._pump_scheduled = False
         self._closing = False
@@ -130,11 +180,16 @@ class Scheduler:
 
     # -- handlers' side ------------------------------------------------------------------
 
-    def submit(self, work: Work, deadline: float | None = None) -> asyncio.Future[Result]:
+    def submit(
+        self, work: Work, deadline: float | None = None, *, admitted: bool = False
+    ) -> asyncio.Future[Result]:
         """Admit `work` or raise `Overloaded` / `Draining` at once.
 
         `deadline` is a `time.monotonic()` instant after which the work is dropped if it
-        has not reached the engine yet. Cancelling the returned future drops the work.
+        has not reached the engine yet; work that could not finish by then is refused.
+        `admitted` marks a later part of a request whose earlier part was taken: the
+        queue-time limit, which exists to refuse new work, does not apply to it.
+        Cancelling the returned future drops the work.
         """
         if self._closing:
             raise Draining("server is shutting down; retry on another replica")
@@ -148,6 +203,22 @@ class Scheduler:
             raise Overloaded(
                 f"queue full: {self._queued_tokens} tokens queued, limit {limit}; retry later"
             )
+        now = time.monotonic()
+        if self._service.known:
+            wait = self.estimated_wait(now)
+            bound = self._limits.max_queue_seconds
+            busy = bool(self._queued_requests or self._flights)
+            if bound is not None and not admitted and wait > bound and busy:
+                raise Overloaded(
+                    f"queue full: about {wait:.2f}s of work ahead, limit {bound:.2f}s; retry later"
+                )
+            if deadline is not None and wait > 0.0:
+                left = deadline - now
+                if wait + self._service.seconds(work.tokens) > left:
+                    raise Overloaded(
+                        f"cannot finish before the request's deadline: about {wait:.2f}s of "
+                        f"work ahead, {max(0.0, left):.2f}s left; retry later"
+                    )
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
         job = _Job(work=work, future=future, admitted=time.monotonic(), deadline=deadline)
         future.add_done_callback(functools.partial(self._on_done, job))
@@ -161,6 +232,33 @@ class Scheduler:
     @property
     def queued_tokens(self) -> int:
         return self._queued_tokens
+
+    def estimated_wait(self, now: float) -> float:
+        """Seconds until the engine could start a request submitted `now`: what is left of
+        the running batch, the prefetched one, and the queue (in full batches)."""
+        if not self._service.known:
+            return 0.0
+        wait = 0.0
+        for i, flight in enumerate(self._flights):
+            seconds = self._service.seconds(flight.tokens)
+            if i == 0 and flight.started is not None:
+                # A batch running past its estimate is not about to end: count a tenth of
+                # the estimate as left (the estimate is what was wrong).
+                seconds = max(seconds - (now - flight.started), 0.1 * seconds)
+            wait += max(0.0, seconds)
+        queued = self._queued_tokens
+        if queued:
+            batches = -(-queued // self._limits.max_batch_tokens)
+            wait += self._service.seconds(queued, batches)
+        return wait
+
+    def seconds_per_token(self) -> float:
+        """The engine's measured cost of one more token in a batch (0.0: not measured)."""
+        return self._service.coefficients()[1] if self._service.known else 0.0
+
+    def observe_batch(self, tokens: int, seconds: float) -> None:
+        """Teach the admission estimate a batch's time (the warm-up's, before serving)."""
+        self._service.observe(tokens, seconds)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -309,6 +407,8 @@ class Scheduler:
             next_flight.started = max(next_flight.submitted, ended)
         started = flight.started if flight.started is not None else flight.submitted
         self._metrics.inference_seconds.observe(ended - started)
+        if not flight.task.cancelled() and flight.task.exception() is None:
+            self._service.observe(flight.tokens, ended - started)
         error = flight.task.exception() if not flight.task.cancelled() else None
         if flight.task.cancelled() or error is not None:
             failure = EngineFailed(f"engine failed on a batch of {flight.rows} inputs: {error}")

@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
@@ -28,7 +29,7 @@ from tulip.backend import RoseBackend, resolve_model_dir
 from tulip.config import ConfigError, TulipConfig
 from tulip.generation import GenerationBackend, is_generator
 from tulip.metrics import Metrics
-from tulip.scheduler import BatchLimits, Scheduler
+from tulip.scheduler import BatchInputs, BatchLimits, Scheduler
 from tulip.service import InferenceService
 
 __all__ = ["SERVICE_NAME", "load_backend", "serve"]
@@ -102,12 +103,14 @@ async def serve(
             scheduler = Scheduler(
                 backend,
                 BatchLimits(
-                    max_batch_tokens=config.max_batch_tokens,
+                    max_batch_tokens=config.max_batch_tokens or backend.default_batch_tokens,
                     max_batch_rows=config.max_batch_rows,
                     max_queued_tokens=config.max_queued_tokens,
+                    max_queue_seconds=config.max_queue_seconds or None,
                 ),
                 metrics,
             )
+            await _measure_speed(backend, scheduler)
             scheduler.start()
             service.attach(backend, scheduler)
             close_admission, drain = scheduler.close, scheduler.drain
@@ -132,6 +135,31 @@ async def serve(
             backend.close()
         if endpoint is not None:
             endpoint.close()
+
+
+# Batch sizes (tokens) timed before serving, so admission by time knows the engine's speed
+# from the first request on: two sizes give its fixed cost per batch and its cost per token.
+_SPEED_PROBES = (64, 512)
+
+
+async def _measure_speed(backend: RoseBackend, scheduler: Scheduler) -> None:
+    """Time a small and a larger batch of synthetic ids and teach the scheduler."""
+    limits = backend.served.limits
+    for tokens in _SPEED_PROBES:
+        length = max(1, min(limits.max_input_tokens, 128, tokens))
+        rows = max(1, tokens // length)
+        ids = (np.arange(rows * length, dtype=np.int64) % limits.vocab_size).astype(np.uint32)
+        batch = BatchInputs(
+            ids=ids,
+            lengths=np.full(rows, length, dtype=np.uint32),
+            first_segment_lengths=None,
+            pooling=None,
+            normalize=None,
+        )
+        start = time.monotonic()
+        await backend.step(batch)
+        scheduler.observe_batch(int(ids.size), time.monotonic() - start)
+    backend.served.info.seconds_per_token = scheduler.seconds_per_token()
 
 
 async def _set_health(health: health_aio.HealthServicer, status: int) -> None:

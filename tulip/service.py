@@ -113,12 +113,15 @@ class InferenceService(pb_grpc.InferenceServicer):
     ) -> None:
         await serve_calls(self, requests, context, self._metrics)
 
-    async def embed(self, request: pb.EmbedRequest, deadline: float | None) -> pb.EmbedResponse:
-        """One Embed call's answer (`deadline`: a `time.monotonic()` instant or None);
-        failures raise `TulipError`."""
+    async def embed(
+        self, request: pb.EmbedRequest, deadline: float | None, admitted: bool = False
+    ) -> pb.EmbedResponse:
+        """One Embed call's answer (`deadline`: a `time.monotonic()` instant or None;
+        `admitted`: part of work already admitted, see `Scheduler.submit`); failures raise
+        `TulipError`."""
         model, scheduler = self._ready()
         work, options = embed_work(request, model.served.limits)
-        result = await scheduler.submit(work, deadline)
+        result = await scheduler.submit(work, deadline, admitted=admitted)
         rows = model.shape_embeddings(result.rows, options.dimensions, options.normalize)
         return pb.EmbedResponse(
             embeddings=pack_tensor(rows, options.dtype),
@@ -126,11 +129,13 @@ class InferenceService(pb_grpc.InferenceServicer):
             timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us),
         )
 
-    async def score(self, request: pb.ScoreRequest, deadline: float | None) -> pb.ScoreResponse:
+    async def score(
+        self, request: pb.ScoreRequest, deadline: float | None, admitted: bool = False
+    ) -> pb.ScoreResponse:
         """One Score call's answer; failures raise `TulipError`."""
         model, scheduler = self._ready()
         work, activation = score_work(request, model.served.limits)
-        result = await scheduler.submit(work, deadline)
+        result = await scheduler.submit(work, deadline, admitted=admitted)
         scores = model.activate(result.rows, activation)
         return pb.ScoreResponse(
             scores=pack_tensor(scores, pb.DTYPE_FLOAT32),

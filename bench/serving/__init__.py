@@ -112,19 +112,27 @@ class Http:
             self._local.client = c
         return c
 
-    def embed(self, texts: list[str]) -> np.ndarray:
-        r = self.client().post(  # type: ignore[attr-defined]
-            self.embed_path, json={"model": self.model, "input": texts, "encoding_format": "float"}
-        )
+    def post(self, path: str, body: dict) -> object:
+        """POST, retrying a 429 after its Retry-After as the OpenAI and Cohere clients do
+        (the wait counts in the request's latency)."""
+        for _ in range(100):
+            r = self.client().post(path, json=body)  # type: ignore[attr-defined]
+            if r.status_code != 429:
+                break
+            time.sleep(float(r.headers.get("retry-after", "1")))
         r.raise_for_status()
-        return np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
+        return r
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        r = self.post(
+            self.embed_path, {"model": self.model, "input": texts, "encoding_format": "float"}
+        )
+        return np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)  # type: ignore[attr-defined]
 
     def rerank(self, query: str, docs: list[str]) -> list[float]:
-        r = self.client().post(  # type: ignore[attr-defined]
-            "/v1/rerank", json={"model": self.model, "query": query, "documents": docs}
-        )
-        r.raise_for_status()
-        return [x["relevance_score"] for x in sorted(r.json()["results"], key=lambda x: x["index"])]
+        r = self.post("/v1/rerank", {"model": self.model, "query": query, "documents": docs})
+        results = r.json()["results"]  # type: ignore[attr-defined]
+        return [x["relevance_score"] for x in sorted(results, key=lambda x: x["index"])]
 
 
 @contextlib.contextmanager

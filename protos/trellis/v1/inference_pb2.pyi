@@ -64,18 +64,20 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class CallRequest(_message.Message):
-    __slots__ = ("id", "timeout_ms", "embed", "score", "cancel")
+    __slots__ = ("id", "timeout_ms", "embed", "score", "cancel", "admitted")
     ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     EMBED_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
     id: int
     timeout_ms: int
     embed: EmbedRequest
     score: ScoreRequest
     cancel: bool
-    def __init__(self, id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., embed: _Optional[_Union[EmbedRequest, _Mapping]] = ..., score: _Optional[_Union[ScoreRequest, _Mapping]] = ..., cancel: _Optional[bool] = ...) -> None: ...
+    admitted: bool
+    def __init__(self, id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., embed: _Optional[_Union[EmbedRequest, _Mapping]] = ..., score: _Optional[_Union[ScoreRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., admitted: _Optional[bool] = ...) -> None: ...
 
 class CallResponse(_message.Message):
     __slots__ = ("id", "embed", "score", "error")
@@ -172,7 +174,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "kind", "dimensions", "max_input_tokens", "vocab_size", "num_labels", "default_pooling", "default_normalize", "query_prompt", "document_prompt", "device", "dtype")
+    __slots__ = ("model_name", "kind", "dimensions", "max_input_tokens", "vocab_size", "num_labels", "default_pooling", "default_normalize", "query_prompt", "document_prompt", "device", "dtype", "seconds_per_token")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +187,7 @@ class InfoResponse(_message.Message):
     DOCUMENT_PROMPT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     kind: ModelKind
     dimensions: int
@@ -197,7 +200,8 @@ class InfoResponse(_message.Message):
     document_prompt: str
     device: str
     dtype: str
-    def __init__(self, model_name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., dimensions: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_labels: _Optional[int] = ..., default_pooling: _Optional[_Union[Pooling, str]] = ..., default_normalize: _Optional[bool] = ..., query_prompt: _Optional[str] = ..., document_prompt: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    seconds_per_token: float
+    def __init__(self, model_name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., dimensions: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_labels: _Optional[int] = ..., default_pooling: _Optional[_Union[Pooling, str]] = ..., default_normalize: _Optional[bool] = ..., query_prompt: _Optional[str] = ..., document_prompt: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seconds_per_token: _Optional[float] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
