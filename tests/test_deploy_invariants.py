@@ -509,6 +509,8 @@ def test_images_run_the_real_cli(stages: dict[str, list[dict[str, Any]]], code: 
         if module == "tulip":
             config = code.tulip({"TULIP_MODEL": "m", **env})
             assert exposed == {config.port, config.metrics_port}
+            # Tulip defaults to loopback (it has no auth); its image opens it for Ivy.
+            assert config.host == "0.0.0.0", "Tulip must listen on all interfaces in a container"
         else:
             config = code.ivy({"IVY_MODEL": "m=/models/m", "IVY_REPLICAS": "m=h:1", **env})
             assert exposed == {config.port}

@@ -12,7 +12,7 @@ from tulip.config import ConfigError, TulipConfig, env_name
 
 def test_defaults_match_the_documented_interface() -> None:
     config = TulipConfig.from_args(["--model", "multilingual-e5-small"], {})
-    assert (config.host, config.port, config.metrics_port) == ("0.0.0.0", 50051, 9100)
+    assert (config.host, config.port, config.metrics_port) == ("127.0.0.1", 50051, 9100)
     assert (config.max_batch_tokens, config.max_batch_rows) == (0, 256)  # 0: by device
     assert config.max_queued_tokens == 262144
     assert config.device == "auto" and config.dtype == "auto"
@@ -56,7 +56,7 @@ def test_env_names() -> None:
         (["--model", "m", "--metrics-port", "-1"], {}, "--metrics-port"),
         (["--model", "m", "--device", "tpu"], {}, "--device"),
         (["--model", "m", "--dtype", "int8"], {}, "--dtype"),
-        (["--model", "m", "--max-batch-tokens", "0"], {}, "--max-batch-tokens"),
+        (["--model", "m", "--max-batch-tokens", "-1"], {}, "--max-batch-tokens"),
         (["--model", "m", "--max-batch-rows", "0"], {}, "--max-batch-rows"),
         (["--model", "m", "--max-queued-tokens", "0"], {}, "--max-queued-tokens"),
         (["--model", "m", "--drain-seconds", "-1"], {}, "--drain-seconds"),

@@ -39,7 +39,9 @@ class TulipConfig:
     """A model directory, or an asset name resolved with `rose.assets.ensure_model`."""
     model_name: str = ""
     """Name reported by `Info`; empty means the model directory's basename."""
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"
+    """Listen address of gRPC and metrics: loopback unless a deployment opens it (the
+    containers set 0.0.0.0 and a NetworkPolicy lets only Ivy in): Tulip has no auth."""
     port: int = 50051
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
@@ -218,7 +220,7 @@ def _parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--model", help="model directory or asset name (rose.assets)")
     add("--model-name", help="served model name (default: the directory's basename)")
-    add("--host", help="listen address (default 0.0.0.0)")
+    add("--host", help="listen address (default 127.0.0.1; containers: 0.0.0.0)")
     add("--port", type=int, help="gRPC port (default 50051)")
     add("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     add("--dtype", help="auto | float32 | bfloat16 | float16 (default auto)")
