@@ -7,6 +7,7 @@ are attached to /openapi.json so it documents exactly what is accepted.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -56,6 +57,8 @@ __all__ = ["create_app", "create_app_from_env"]
 log = logging.getLogger("ivy")
 
 _JSON = "application/json"
+# Counted (and answered to nobody) when the client disconnected before its answer.
+_CLIENT_CLOSED = 499
 _ORJSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 _ERRORS = {
     str(status): {"model": ErrorResponse, "description": text}
@@ -117,16 +120,21 @@ class _MetricsMiddleware:
         path = scope["path"]
         route = path if path in _ROUTES else "other"
         status = 500
+        started = False
         start = time.perf_counter()
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
             await send(message)
 
         try:
             await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError:
+            if not started:
+                status = _CLIENT_CLOSED  # the client left (`CancelOnDisconnect`)
+            raise
         finally:
             self.metrics.requests.labels(route=route, status=str(status)).inc()
             self.metrics.request_seconds.labels(route=route).observe(time.perf_counter() - start)
@@ -168,7 +176,7 @@ def _validation_error(exc: pydantic.ValidationError) -> ValidationError:
     if param == "input" and len(errors) > 1:
         message = (
             "Invalid 'input': expected a non-empty string, an array of non-empty strings, "
-            "an array of token ids or an array of arrays of token ids (at most 2048 inputs)."
+            "an array of token ids or an array of arrays of token ids."
         )
     else:
         where = ".".join(str(p) for p in first["loc"])

@@ -24,6 +24,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -33,7 +34,6 @@ from ivy.chat_template import ChatTemplateError, RenderedPrompt
 from ivy.errors import (
     DeadlineError,
     IvyError,
-    OverloadedError,
     UnavailableError,
     UpstreamError,
     ValidationError,
@@ -42,7 +42,7 @@ from ivy.gateway import Gateway
 from ivy.generation_schemas import ChatCompletionRequest, CompletionRequest
 from ivy.models import GENERATOR, ServedModel
 from ivy.replicas import Replica
-from ivy.router import no_replica_error
+from ivy.router import RETRYABLE, no_replica_error, note_refusal, translate
 from ivy.tokenization import TokenizationError
 from protos.trellis.v1 import inference_pb2 as pb
 
@@ -61,12 +61,6 @@ __all__ = [
 _COMPLETIONS_MAX_TOKENS = 16
 # Rendered prompts longer than this are tokenized on a worker thread.
 _INLINE_CHARS = 4096
-_RETRYABLE = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-    # A call that reaches a replica while its listener closes (never admitted).
-    grpc.StatusCode.CANCELLED,
-)
 _ATTEMPTS = 2
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
@@ -173,7 +167,9 @@ class Generation:
                         message = await self._call.read()
                     except grpc.aio.AioRpcError as exc:
                         self._outcome = "error"
-                        raise _translate(exc, self._param) from None
+                        raise translate(
+                            exc.code(), exc.details() or "", model=self._model, param=self._param
+                        ) from None
                     if message is grpc.aio.EOF:
                         if self.finish_reason is None:
                             self._outcome = "error"
@@ -414,15 +410,16 @@ class GenerationService:
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
                 replica.release(tokens, code.name)
-                if code in _RETRYABLE:
-                    if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        replica.mark_suspect()
+                if code in RETRYABLE:
+                    note_refusal(replica, code)
                     refusals.append(code)
                     self._gateway().metrics.retries.labels(
                         model=prepared.model, reason=code.name
                     ).inc()
                     continue
-                raise _translate(exc, prepared.param) from None
+                raise translate(
+                    code, exc.details() or "", model=prepared.model, param=prepared.param
+                ) from None
             except BaseException:
                 call.cancel()
                 replica.release(tokens, "CANCELLED")
@@ -514,9 +511,39 @@ def finish_reason(message: pb.GenerateResponse) -> str | None:
     return _FINISH.get(message.finish_reason, "stop")
 
 
+def unsupported_field(req: ChatCompletionRequest | CompletionRequest) -> str | None:
+    """The first field the request sets to a value Ivy cannot honour (its answer would
+    differ from what the client asked for), or None."""
+    noop: dict[str, Callable[[Any], bool]] = {
+        "presence_penalty": lambda v: v == 0,
+        "frequency_penalty": lambda v: v == 0,
+        "logit_bias": lambda v: not v,
+    }
+    if isinstance(req, ChatCompletionRequest):
+        noop.update(
+            top_logprobs=lambda v: v == 0,
+            tools=lambda v: not v,
+            functions=lambda v: not v,
+            tool_choice=lambda v: v in ("none", "auto"),
+            function_call=lambda v: v in ("none", "auto"),
+            response_format=lambda v: v == {"type": "text"},
+        )
+    for name, is_noop in noop.items():
+        value = getattr(req, name)
+        if value is not None and not is_noop(value):
+            return name
+    return None
+
+
 def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
     if req.n is not None and req.n != 1:
         raise ValidationError(f"Only n=1 is supported, got n={req.n}.", param="n")
+    field = unsupported_field(req)
+    if field is not None:
+        raise ValidationError(
+            f"`{field}` is not supported by this server; remove it or send its default.",
+            param=field,
+        )
     if req.stream_options is not None and not req.stream:
         raise ValidationError(
             "stream_options is only allowed when stream is true.", param="stream_options"
@@ -564,16 +591,3 @@ def _discard(tasks: Sequence[asyncio.Future[Generation]]) -> None:
         elif not t.cancelled() and t.exception() is None:
             t.result().close()
     # Opens cancelled mid-flight release their replica in their own `except` path.
-
-
-def _translate(exc: grpc.aio.AioRpcError, param: str) -> IvyError:
-    code = exc.code()
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValidationError(exc.details() or "invalid input", param=param)
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DeadlineError("The request timed out.")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return OverloadedError("The replica ran out of capacity for this generation.")
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return UnavailableError(f"The replica went away: {exc.details()}")
-    return UpstreamError(f"A replica failed: {code.name}: {exc.details()}")

@@ -52,7 +52,7 @@ COMPLETIONS_ROUTE = "/v1/completions"
 _JSON = "application/json"
 _PROMPT_FORMS = (
     "Invalid 'prompt': expected a string, an array of strings, an array of token ids or "
-    "an array of arrays of token ids (at most 2048 prompts)."
+    "an array of arrays of token ids."
 )
 # The union's first failing branch says little; these name the accepted forms instead.
 _FORMS = {

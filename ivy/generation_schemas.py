@@ -7,7 +7,7 @@ handlers build the same shapes as plain dicts.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,6 +41,12 @@ StopStrings = StopString | Annotated[list[StopString], Field(max_length=4)]
 # wire's uint64 (negative seeds are sent as their two's complement).
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 FinishReason = Literal["stop", "length"]
+
+
+# Fields Ivy does not implement whose use would change the answer: accepted at their no-op
+# values only, else refused with 400 naming the field (never silently ignored; see
+# `ivy.generation.unsupported_field`). Unknown fields that change nothing stay ignored.
+_UNSUPPORTED = "Not supported: only its no-op value (absent, null, 0, empty) is accepted."
 
 
 class _Strict(BaseModel):
@@ -97,6 +103,9 @@ class _Sampling(_Strict):
         default=None, description=f"Up to 4 strings of at most {MAX_STOP_CHARS} characters."
     )
     n: int | None = Field(default=None, description="Only 1 is supported.")
+    presence_penalty: float | None = Field(default=None, description=_UNSUPPORTED)
+    frequency_penalty: float | None = Field(default=None, description=_UNSUPPORTED)
+    logit_bias: dict[str, Any] | None = Field(default=None, description=_UNSUPPORTED)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -110,6 +119,14 @@ class ChatCompletionRequest(_Sampling):
         default=None, description="Wins over max_tokens when both are given."
     )
     logprobs: bool | None = Field(default=None, description="Not supported: false or absent.")
+    top_logprobs: int | None = Field(default=None, description=_UNSUPPORTED)
+    tools: list[Any] | None = Field(default=None, description=_UNSUPPORTED)
+    tool_choice: str | dict[str, Any] | None = Field(default=None, description=_UNSUPPORTED)
+    functions: list[Any] | None = Field(default=None, description=_UNSUPPORTED)
+    function_call: str | dict[str, Any] | None = Field(default=None, description=_UNSUPPORTED)
+    response_format: dict[str, Any] | None = Field(
+        default=None, description='Only {"type": "text"} is supported.'
+    )
 
 
 class CompletionRequest(_Sampling):
@@ -117,9 +134,9 @@ class CompletionRequest(_Sampling):
 
     prompt: (
         str
-        | Annotated[list[str], Field(min_length=1, max_length=2048)]
+        | Annotated[list[str], Field(min_length=1)]
         | TokenIds
-        | Annotated[list[TokenIds], Field(min_length=1, max_length=2048)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
     ) = Field(description="Text, texts, token ids or lists of token ids.")
     echo: bool | None = Field(default=False, description="Only false is supported.")
     best_of: int | None = Field(default=None, description="Only 1 is supported.")

@@ -31,11 +31,24 @@ from ivy.replicas import Replica, ReplicaPool
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.wire import pack_token_batch, unpack_tensor
 
-__all__ = ["Chunk", "Claim", "Router", "no_replica_error", "split_chunks"]
+__all__ = [
+    "RETRYABLE",
+    "Chunk",
+    "Claim",
+    "Router",
+    "no_replica_error",
+    "note_refusal",
+    "split_chunks",
+    "translate",
+]
 
 log = logging.getLogger("ivy")
 
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# Statuses a call is retried on, on another replica: the replica is stopping or gone
+# (UNAVAILABLE; CANCELLED when a call reaches a listener that is closing) or full.
+RETRYABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}
+)
 # A chunk is hedged after this many times what such a chunk has taken lately.
 _HEDGE_FACTOR = 4.0
 # A replica's speed before this worker saw it answer: a slow CPU's (hedging waits longer).
@@ -375,12 +388,9 @@ class Router:
                     if not isinstance(error, CallFailed):
                         raise error
                     code = error.code()
-                    if code not in _RETRYABLE:
-                        raise _translate(error, model) from None
-                    if code == grpc.StatusCode.UNAVAILABLE:
-                        replica.mark_suspect()
-                    else:
-                        replica.mark_saturated()
+                    if code not in RETRYABLE:
+                        raise translate(code, error.details(), model=model, param="input")
+                    note_refusal(replica, code)
                     refusals.append(code)
                     self.metrics.retries.labels(model=model, reason=code.name).inc()
         finally:
@@ -428,14 +438,28 @@ def no_replica_error(model: str, refusals: list[grpc.StatusCode]) -> IvyError:
     return UnavailableError(f"No healthy replica serves model `{model}` right now.")
 
 
-def _translate(exc: CallFailed, model: str) -> IvyError:
-    code = exc.code()
+def note_refusal(replica: Replica, code: grpc.StatusCode) -> None:
+    """What a retryable refusal says about the replica: full (saturated for a moment) or
+    stopping / gone (suspect: routed around for a while)."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        replica.mark_saturated()
+    else:
+        replica.mark_suspect()
+
+
+def translate(code: grpc.StatusCode, details: str, *, model: str, param: str) -> IvyError:
+    """The one table from a replica's failure to the client's error. Only the client's own
+    mistakes (INVALID_ARGUMENT) are passed on in the replica's words; the rest get a
+    generic message, and the details go to the log."""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValidationError(exc.details() or "invalid input", param="input")
+        return ValidationError(details or "invalid input", param=param)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineError("The request timed out.")
-    # The replica's own words go to the log; the client gets a generic message.
-    log.warning("ivy: a replica of %s failed a call: %s: %s", model, code.name, exc.details())
+    log.warning("ivy: a replica of %s failed a call: %s: %s", model, code.name, details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return OverloadedError("The replica ran out of capacity for this request; retry shortly.")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+        return UnavailableError("The replica serving this request went away.")
     return UpstreamError("A replica failed to process the request.")
 
 

@@ -43,10 +43,12 @@ class EmbeddingRequest(_Strict):
 
     input: (
         NonEmptyStr
-        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=2048)]
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
         | TokenIds
-        | Annotated[list[TokenIds], Field(min_length=1, max_length=2048)]
-    ) = Field(description="Text, texts, token ids or lists of token ids (at most 2048 inputs).")
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    ) = Field(
+        description="Text, texts, token ids or lists of token ids (at most `--max-inputs`, default 2048)."
+    )
     model: str
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: PositiveUInt32 | None = Field(
@@ -90,7 +92,7 @@ class RerankRequest(_Strict):
 
     model: str
     query: NonEmptyStr
-    documents: Annotated[list[str | RerankDocument], Field(min_length=1, max_length=2048)]
+    documents: Annotated[list[str | RerankDocument], Field(min_length=1)]
     top_n: PositiveUInt32 | None = None
     return_documents: bool | None = None
     max_tokens_per_doc: PositiveUInt32 | None = None
@@ -125,7 +127,7 @@ class RerankResponse(BaseModel):
 
 class TokenizeRequest(_Strict):
     model: str
-    input: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=2048)]
+    input: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
     add_special_tokens: bool = True
 
 

@@ -420,6 +420,26 @@ def chat() -> list[Case]:
         post("stream-max-tokens-0", p, with_(p, stream=True, max_tokens=0), param="max_tokens"),
         post("stream-top-k-2^32", p, with_(p, stream=True, top_k=2**32), param="top_k"),
         post("logprobs", p, with_(p, logprobs=True), param="logprobs"),
+        # Fields that would change the answer are refused by name, never ignored.
+        post("top-logprobs", p, with_(p, top_logprobs=3), param="top_logprobs"),
+        post(
+            "tools",
+            p,
+            with_(p, tools=[{"type": "function", "function": {"name": "f"}}]),
+            param="tools",
+        ),
+        post("tool-choice-required", p, with_(p, tool_choice="required"), param="tool_choice"),
+        post("functions", p, with_(p, functions=[{"name": "f"}]), param="functions"),
+        post("function-call", p, with_(p, function_call={"name": "f"}), param="function_call"),
+        post(
+            "response-format-json",
+            p,
+            with_(p, response_format={"type": "json_object"}),
+            param="response_format",
+        ),
+        post("presence-penalty", p, with_(p, presence_penalty=0.5), param="presence_penalty"),
+        post("frequency-penalty", p, with_(p, frequency_penalty=1), param="frequency_penalty"),
+        post("logit-bias", p, with_(p, logit_bias={"50": 100}), param="logit_bias"),
         post("embedding-model", p, with_(p, model=E5), param="model"),
         Case("chat:put", "PUT", p, 405, with_(p), good=p),
     ]
@@ -458,6 +478,8 @@ def completions() -> list[Case]:
         post("logprobs", p, with_(p, logprobs=1), param="logprobs"),
         post("suffix", p, with_(p, suffix="x"), param="suffix"),
         post("n-3", p, with_(p, n=3), param="n"),
+        post("presence-penalty", p, with_(p, presence_penalty=-1), param="presence_penalty"),
+        post("logit-bias", p, with_(p, logit_bias={"1": -100}), param="logit_bias"),
         post(
             "stream-options-without-stream", p, with_(p, stream_options={}), param="stream_options"
         ),
@@ -685,3 +707,20 @@ def test_bad_input_gets_4xx_envelope_and_worker_keeps_serving(stack: Stack, case
     assert ok.status_code == 200, f"after {case.id}: {ok.status_code} {ok.text[:600]}"
     assert stack.ivy.poll() is None, "ivy exited"
     assert all(t.poll() is None for t in stack.tulips), "a replica exited"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"tool_choice": "none", "tools": [], "functions": [], "function_call": "auto"},
+        {"response_format": {"type": "text"}, "top_logprobs": 0, "logprobs": False},
+        {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}},
+        {"metadata": {"team": "search"}, "store": False, "service_tier": "auto"},  # harmless
+    ],
+    ids=["tools-off", "text-format", "no-penalties", "harmless-unknown"],
+)
+def test_no_op_values_and_harmless_unknown_fields_are_accepted(
+    stack: Stack, fields: dict[str, Any]
+) -> None:
+    r = stack.client.post(CHAT, json={**GOOD[CHAT], **fields})
+    assert r.status_code == 200, r.text

@@ -825,3 +825,17 @@ def test_slow_clients_are_cut_off_after_the_read_timeout(
         # Patient clients are unaffected.
         r = httpx.post(f"{base}/v1/embeddings", json={"input": "w1", "model": "fake"})
         assert r.status_code == 200
+
+
+def test_max_inputs_is_the_one_limit_on_inputs(
+    model_dir: Path, replicas: list[tuple[StandIn, str]]
+) -> None:
+    with ivy_with(model_dir, replicas, max_inputs=3000, chunk_tokens=8192) as base:
+        r = httpx.post(
+            f"{base}/v1/embeddings", json={"model": "fake", "input": ["w1"] * 2500}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == 2500
+        r = httpx.post(f"{base}/v1/embeddings", json={"model": "fake", "input": ["w1"] * 3001})
+        err = assert_error(r, 400, "input")
+        assert "At most 3000 inputs" in err["message"]

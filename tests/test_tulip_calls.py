@@ -224,7 +224,8 @@ def test_ivy_mux_fails_pending_calls_with_unavailable_when_the_replica_dies(
 ) -> None:
     rng = random.Random(16)
     blocker = random_rows(rng, 4, 128, 128)
-    args = ["--model", str(e5_dir), "--max-batch-tokens", "512"]
+    # Queue all six whatever their wait (admission by time is not under test here).
+    args = ["--model", str(e5_dir), "--max-batch-tokens", "512", "--max-queue-seconds", "0"]
     with TulipProcess(args, log_path=tmp_path / "dies.log") as proc:
         proc.wait_serving()
 
