@@ -1,7 +1,7 @@
 """ROSE: the Trellis inference engine.
 
-Encoders (BERT, XLM-RoBERTa) and cross-encoders run on ragged batches (tokens of all rows
-concatenated, no padding) and return lazy results::
+Encoders (BERT, XLM-RoBERTa, Qwen3 embedders: `rose.models.FAMILIES`) and cross-encoders
+run on ragged batches (tokens of all rows concatenated, no padding) and return lazy results::
 
     from rose import Engine, EngineConfig, RaggedBatch
 

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 from rose.errors import EngineError
 
-__all__ = ["ATTENTION_BACKENDS", "DTYPES", "SDPA_STRATEGIES", "EngineConfig"]
+__all__ = ["ATTENTION_BACKENDS", "ATTENTION_MODES", "DTYPES", "SDPA_STRATEGIES", "EngineConfig"]
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("sdpa", "flashinfer")
 SDPA_STRATEGIES = ("auto", "per-sequence", "block-diagonal")
+ATTENTION_MODES = ("auto", "causal", "bidirectional")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,10 @@ class EngineConfig:
         with a block-diagonal mask, or "auto" (a cost model picks per batch).
     packed_weights: on CPU, run linear layers on weights packed once for oneDNN, with the
         MLP activation fused (`rose.packed`); False keeps PyTorch's default ``F.linear``.
+    attention_mode: "auto" takes what the model directory says (decoder-based embedders such
+        as Qwen3-Embedding attend causally, pplx-embed's Qwen3 bidirectionally; BERT-like
+        encoders always bidirectionally); "causal" or "bidirectional" insists, and a family
+        that cannot run that way refuses to load.
     """
 
     device: str = "cpu"
@@ -38,6 +43,7 @@ class EngineConfig:
     attention: str | None = None
     sdpa_strategy: str = "auto"
     packed_weights: bool = True
+    attention_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not (
@@ -68,7 +74,10 @@ class EngineConfig:
             raise EngineError(
                 f"EngineConfig.sdpa_strategy must be one of {SDPA_STRATEGIES}, got {self.sdpa_strategy!r}"
             )
-
+        if self.attention_mode not in ATTENTION_MODES:
+            raise EngineError(
+                f"EngineConfig.attention_mode must be one of {ATTENTION_MODES}, got {self.attention_mode!r}"
+            )
         if not isinstance(self.packed_weights, bool):
             raise EngineError(
                 f"EngineConfig.packed_weights must be a boolean, got {self.packed_weights!r}"

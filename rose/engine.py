@@ -1,5 +1,9 @@
 """`Engine`: load a model directory once, then run ragged batches with `step`.
 
+The model family (BERT, XLM-R, Qwen3, ...) is chosen once at load from config.json's
+``model_type`` through `rose.models.FAMILIES`; everything the engine asks of a family is
+the contract documented there.
+
 `step` validates and lays out the batch on the host (positions, row ids, per-row pooling),
 enqueues the pass and returns a `LazyTensor` at once. On CUDA with graphs on, the pass runs in
 the slot of its (row bucket, token bucket) graph key: inputs padded into static buffers with
@@ -22,8 +26,14 @@ from rose.config import EngineConfig
 from rose.errors import EngineError
 from rose.graphs import CaptureBackend, CudaCaptureBackend, GraphKey, GraphManager, graph_key
 from rose.lazy import LazyTensor
-from rose.loading import ModelInfo, read_config, read_sentence_settings, read_tensors
-from rose.models.bert import BertConfig, BertFamilyModel, load_weights, position_ids
+from rose.loading import (
+    ModelInfo,
+    read_config,
+    read_logit_score,
+    read_sentence_settings,
+    read_tensors,
+)
+from rose.models import EncoderConfig, Family, FamilyOptions, family_for
 from rose.pooling import POOL_CODES, pool_ragged
 
 __all__ = ["Engine"]
@@ -82,14 +92,16 @@ class Engine:
 
     def __init__(
         self,
-        model: BertFamilyModel,
+        family: Family,
+        model: Any,
         info: ModelInfo,
         config: EngineConfig,
         attention: AttentionBackend,
         capture: CaptureBackend | None = None,
     ) -> None:
-        self._model = model
-        self._cfg: BertConfig = model.cfg
+        self._family = family
+        self._model = model  # the family's module: encoder / classify (`rose.models`)
+        self._cfg: EncoderConfig = model.cfg
         self._info = info
         self._config = config
         self._device = next(model.parameters()).device
@@ -113,15 +125,18 @@ class Engine:
         """Load a Hugging Face model directory; EngineError says what is missing or unsupported."""
         config = config or EngineConfig()
         path = Path(model_dir)
-        cfg = read_config(path)
+        raw = read_config(path)
+        family = family_for(raw)
+        options = FamilyOptions(config.attention_mode, read_logit_score(path))
+        cfg = family.config(raw, options)
         settings = read_sentence_settings(path, cfg.classifier)
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise EngineError(f"EngineConfig.device is {config.device!r} but CUDA is not available")
         dtype = getattr(torch, config.resolved_dtype)
-        state = load_weights(cfg, read_tensors(path))
+        state = family.load_weights(cfg, read_tensors(path))
         with torch.device("meta"):
-            model = BertFamilyModel(cfg)
+            model = family.model(cfg)
         model.load_state_dict(state, strict=True, assign=True)
         model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         if config.packed_weights and device.type == "cpu":
@@ -136,17 +151,25 @@ class Engine:
             max_input_tokens=max_tokens,
             vocab_size=cfg.vocab_size,
             num_labels=cfg.num_labels,
-            default_pooling=settings.pooling,
+            default_pooling=settings.pooling or cfg.default_pooling,
             default_normalize=settings.normalize,
             query_prompt=settings.query_prompt,
             document_prompt=settings.document_prompt,
             device=str(device),
             dtype=config.resolved_dtype,
+            token_types=cfg.type_vocab_size,
         )
         choice = select_backend(
-            config.attention, config.sdpa_strategy, device, dtype, cfg.num_heads, cfg.head_dim
+            config.attention,
+            config.sdpa_strategy,
+            device,
+            dtype,
+            cfg.num_heads,
+            cfg.head_dim,
+            num_kv_heads=cfg.num_kv_heads,
+            causal=cfg.causal,
         )
-        engine = cls(model, info, config, choice.backend)
+        engine = cls(family, model, info, config, choice.backend)
         log.info("rose engine loaded: %r, cuda graphs %s", engine, "on" if engine.graphs else "off")
         return engine
 
@@ -222,7 +245,7 @@ class Engine:
             )
         return _HostBatch(
             ids=ids.astype(np.int64, copy=False),
-            positions=position_ids(cfg, ids, cu),
+            positions=self._family.position_ids(cfg, ids, cu),
             types=types,
             seg_ids=np.repeat(np.arange(rows, dtype=np.int64), lengths),
             cu_seqlens=cu,
@@ -247,11 +270,8 @@ class Engine:
         inputs = AttentionInputs(cu_seqlens=cu_seqlens, seg_ids=seg_ids)
         state = self._attention.prepare(plan, inputs)
         hidden = self._model.encoder(ids, positions, types, self._attention, state)  # [T, H]
-        head = self._model.head
-        if head is not None:
-            return head(
-                hidden[cu_seqlens[:-1].clamp(max=hidden.shape[0] - 1)]
-            ).float()  # [B, labels]
+        if self._cfg.classifier:
+            return self._model.classify(hidden, cu_seqlens, seg_ids).float()  # [B, labels]
         return pool_ragged(hidden, cu_seqlens, seg_ids, modes, normalize, present)  # [B, H]
 
     def _run_eager(self, host: _HostBatch) -> torch.Tensor:

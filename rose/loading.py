@@ -12,9 +12,15 @@ from typing import Any
 import torch
 
 from rose.errors import EngineError
-from rose.models.bert import BertConfig
 
-__all__ = ["ModelInfo", "SentenceSettings", "read_config", "read_sentence_settings", "read_tensors"]
+__all__ = [
+    "ModelInfo",
+    "SentenceSettings",
+    "read_config",
+    "read_logit_score",
+    "read_sentence_settings",
+    "read_tensors",
+]
 
 _ST_POOLING_LEGACY = {
     "pooling_mode_cls_token": "cls",
@@ -45,13 +51,15 @@ class ModelInfo:
     document_prompt: str
     device: str
     dtype: str
+    token_types: int = 2  # token type ids the model takes (0..token_types-1); 1: none
 
 
 @dataclass(frozen=True)
 class SentenceSettings:
-    """The sentence-transformers side of a model directory (defaults when absent)."""
+    """The sentence-transformers side of a model directory (defaults when absent; pooling
+    None: no Pooling module, the model family's default applies)."""
 
-    pooling: str = "mean"
+    pooling: str | None = None
     normalize: bool = False
     query_prompt: str = ""
     document_prompt: str = ""
@@ -67,13 +75,38 @@ def _read_json(path: Path) -> Any:
         raise EngineError(f"{path}: cannot read JSON ({exc})") from None
 
 
-def read_config(model_dir: Path) -> BertConfig:
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """config.json as a dict (the model family reads it: `rose.models.FAMILIES`)."""
     if not model_dir.is_dir():
         raise EngineError(f"model directory {model_dir} does not exist")
     raw = _read_json(model_dir / "config.json")
     if not isinstance(raw, dict):
         raise EngineError(f"{model_dir / 'config.json'}: expected a JSON object")
-    return BertConfig.from_dict(raw)
+    return raw
+
+
+def read_logit_score(model_dir: Path) -> tuple[int, int | None] | None:
+    """(true_token_id, false_token_id or None) of a sentence-transformers ``LogitScore``
+    module (a causal LM served as a reranker: Qwen3-Reranker in sentence-transformers >= 5.4),
+    or None when modules.json has none."""
+    modules_path = model_dir / "modules.json"
+    if not modules_path.exists():
+        return None
+    modules = _read_json(modules_path)
+    if not isinstance(modules, list):
+        raise EngineError(f"{modules_path}: expected a JSON list")
+    for module in modules:
+        if str(module.get("type", "")).rsplit(".", 1)[-1] != "LogitScore":
+            continue
+        path = model_dir / str(module.get("path", "")) / "config.json"
+        raw = _read_json(path)
+        try:
+            true_id = int(raw["true_token_id"])
+            false_id = raw.get("false_token_id")
+            return true_id, None if false_id is None else int(false_id)
+        except (KeyError, TypeError, ValueError):
+            raise EngineError(f"{path}: expected an integer true_token_id") from None
+    return None
 
 
 def read_sentence_settings(model_dir: Path, classifier: bool) -> SentenceSettings:
@@ -81,7 +114,8 @@ def read_sentence_settings(model_dir: Path, classifier: bool) -> SentenceSetting
     from config_sentence_transformers.json, max_seq_length from sentence_bert_config.json."""
     if classifier:
         return SentenceSettings(pooling="cls", normalize=False)
-    pooling, normalize = "mean", False
+    pooling: str | None = None
+    normalize = False
     modules_path = model_dir / "modules.json"
     if modules_path.exists():
         modules = _read_json(modules_path)

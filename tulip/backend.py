@@ -12,7 +12,6 @@ stays importable and testable without them.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import Awaitable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -107,9 +106,10 @@ class RoseBackend:
                 dtype=None if config.dtype == "auto" else config.dtype,
                 cuda_graphs=config.cuda_graphs,
                 max_graphs=64,
+                attention_mode=config.attention_mode,
             ),
         )
-        return cls(engine, config.model_name or model_dir.name, _token_types(model_dir))
+        return cls(engine, config.model_name or model_dir.name, engine.info.token_types)
 
     @property
     def default_batch_tokens(self) -> int:
@@ -177,12 +177,6 @@ class RoseBackend:
         from rose.pooling import apply_activation
 
         return apply_activation(logits, activation, self._num_labels)
-
-
-def _token_types(model_dir: Path) -> int:
-    """config.json's ``type_vocab_size`` (the Hugging Face default, 2, when absent)."""
-    raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    return int(raw.get("type_vocab_size", 2))
 
 
 async def _rows(step: Future[Any]) -> np.ndarray:

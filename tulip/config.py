@@ -17,6 +17,7 @@ __all__ = ["ConfigError", "TulipConfig", "env_name"]
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_ATTENTION_MODES = ("auto", "causal", "bidirectional")
 _SPEC_METHODS = ("none", "ngram", "draft", "mtp")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -57,6 +58,9 @@ class TulipConfig:
     """Admission by time: refuse (RESOURCE_EXHAUSTED) work that would wait longer than this
     for the engine, by the engine's measured speed; 0 turns the time bound off."""
     cuda_graphs: bool = True
+    attention_mode: str = "auto"
+    """Encoders: ``auto`` (what the model directory says), ``causal`` or ``bidirectional``
+    (decoder-based embedders such as Qwen3 run either way)."""
     metrics_port: int = 9100
     """Port of the Prometheus endpoint; 0 disables it."""
     drain_seconds: float = 30.0
@@ -104,6 +108,11 @@ class TulipConfig:
                 raise ConfigError(f"{key} must be in [{low}, 65535], got {value}")
         if not _DEVICE.match(self.device):
             raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.attention_mode not in _ATTENTION_MODES:
+            raise ConfigError(
+                f"--attention-mode must be one of {', '.join(_ATTENTION_MODES)}, "
+                f"got {self.attention_mode!r}"
+            )
         if self.dtype not in _DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.max_batch_tokens < 0:
@@ -235,6 +244,10 @@ def _parser() -> argparse.ArgumentParser:
         "--max-queue-seconds",
         type=float,
         help="refuse work that would wait longer than this for the engine, 0: no bound (default 2)",
+    )
+    add(
+        "--attention-mode",
+        help="encoders: auto (as the model directory says) | causal | bidirectional",
     )
     add("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None, help="CUDA graphs")
     add("--metrics-port", type=int, help="Prometheus port, 0 disables (default 9100)")

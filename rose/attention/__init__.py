@@ -1,7 +1,8 @@
 """Attention backends behind one interface (`AttentionBackend`) and the choice between them.
 
-These serve the encoders' ragged non-causal passes. The decoders' causal passes over a
-paged KV cache have their own kernel contract in `rose.attention.paged`."""
+These serve the encoders' ragged passes (bidirectional, or causal for decoder-based embedders),
+which see no KV cache. The decoders' passes over a paged KV cache have their own kernel
+contract in `rose.attention.paged`."""
 
 from __future__ import annotations
 
@@ -42,13 +43,18 @@ def select_backend(
     dtype: torch.dtype,
     num_heads: int,
     head_dim: int,
+    num_kv_heads: int | None = None,
+    causal: bool = False,
 ) -> AttentionChoice:
     """Pick the attention backend for one engine and log the choice (once per engine).
 
     FlashInfer is tried on CUDA in fp16/bf16 when `requested` is None or "flashinfer"; it must
     import and pass a small probe against SDPA, else SDPA is used and the reason logged.
+    num_kv_heads: key/value heads (grouped-query attention; None: num_heads). causal: each
+    token attends to its row's tokens up to itself only.
     """
-    choice = _select(requested, sdpa_strategy, device, dtype, num_heads, head_dim)
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    choice = _select(requested, sdpa_strategy, device, dtype, num_heads, head_dim, kv_heads, causal)
     log.info("rose attention backend: %s (%s)", choice.backend.describe(), choice.reason)
     return choice
 
@@ -60,8 +66,10 @@ def _select(
     dtype: torch.dtype,
     num_heads: int,
     head_dim: int,
+    num_kv_heads: int,
+    causal: bool,
 ) -> AttentionChoice:
-    sdpa = SdpaBackend(sdpa_strategy, device.type)
+    sdpa = SdpaBackend(sdpa_strategy, device.type, causal=causal)
     if requested == "sdpa":
         return AttentionChoice(sdpa, "requested")
     if device.type != "cuda":
@@ -72,29 +80,38 @@ def _select(
     if module is None:
         return AttentionChoice(sdpa, f"FlashInfer unavailable ({why})")
     try:
-        backend = FlashInferBackend(module, device, dtype, num_heads, head_dim)
-        _probe(backend, device, dtype, num_heads, head_dim)
+        backend = FlashInferBackend(
+            module, device, dtype, num_heads, head_dim, num_kv_heads=num_kv_heads, causal=causal
+        )
+        _probe(backend, device, dtype, num_heads, head_dim, num_kv_heads)
     except Exception as exc:
         return AttentionChoice(sdpa, f"FlashInfer failed its probe ({type(exc).__name__}: {exc})")
     return AttentionChoice(backend, "FlashInfer ragged prefill")
 
 
 def _probe(
-    backend: AttentionBackend, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int
+    backend: AttentionBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    head_dim: int,
+    kv_heads: int | None = None,
 ) -> None:
     """Run two ragged rows through `backend` and through SDPA; raise if they disagree."""
     cu = np.array([0, 5, 12], dtype=np.int32)
     gen = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = (
-        torch.randn(12, heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-        for _ in range(3)
+        torch.randn(12, n, head_dim, generator=gen).to(device=device, dtype=dtype)
+        for n in (heads, kv_heads or heads, kv_heads or heads)
     )
     seg = torch.tensor([0] * 5 + [1] * 7, device=device)
     inputs = AttentionInputs(torch.from_numpy(cu).to(device), seg)
     got = backend.attend(q, k, v, backend.prepare(backend.plan(cu), inputs)).float()
     for start, end in ((0, 5), (5, 12)):
         want = F.scaled_dot_product_attention(
-            *(t[start:end].transpose(0, 1).float() for t in (q, k, v))
+            *(t[start:end].transpose(0, 1).float() for t in (q, k, v)),
+            is_causal=backend.causal,
+            enable_gqa=q.shape[1] != k.shape[1],
         ).transpose(0, 1)
         err = (got[start:end] - want).abs().max().item()
         if not err < 2e-2:

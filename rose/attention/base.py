@@ -1,7 +1,9 @@
 """The attention backend interface.
 
-A backend computes non-causal attention over a ragged batch: q, k, v are [T, heads, head_dim]
-with the rows' tokens concatenated; a token attends only to the tokens of its own row.
+A backend computes attention over a ragged batch: q is [T, heads, head_dim] and k, v are
+[T, kv_heads, head_dim] (grouped-query attention when kv_heads < heads: query head h reads kv
+head h // (heads / kv_heads)), the rows' tokens concatenated; a token attends only to the
+tokens of its own row, and with `causal` set only to those at or before its own position.
 
 Per forward pass it works in three steps so the middle of the pass can be captured in a CUDA
 graph:
@@ -36,10 +38,12 @@ class AttentionInputs:
 
 
 class AttentionBackend(ABC):
-    """Non-causal ragged attention. `graph_safe` backends may run inside CUDA graphs."""
+    """Ragged attention, causal or not (fixed per backend). `graph_safe` backends may run
+    inside CUDA graphs."""
 
     name: str = "abstract"
     graph_safe: bool = False
+    causal: bool = False
 
     @abstractmethod
     def plan(self, host_cu_seqlens: np.ndarray, slot: Hashable | None = None) -> Any:
@@ -51,7 +55,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any) -> torch.Tensor:
-        """q, k, v: [T, heads, head_dim] → [T, heads, head_dim] (contiguous)."""
+        """q: [T, heads, head_dim], k, v: [T, kv_heads, head_dim] → [T, heads, head_dim]
+        (contiguous)."""
 
     def release(self, slot: Hashable) -> None:
         """Forget whatever was kept for a graph slot that was evicted (default: nothing)."""

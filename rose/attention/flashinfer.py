@@ -1,4 +1,4 @@
-"""Ragged non-causal prefill through FlashInfer (GPU only).
+"""Ragged prefill through FlashInfer (GPU only), causal or not, grouped-query heads allowed.
 
 FlashInfer is optional: `import_flashinfer()` returns None when it is not installed or fails
 to import (no CUDA, wrong build), and the engine falls back to SDPA. One
@@ -33,7 +33,8 @@ def import_flashinfer() -> tuple[ModuleType | None, str]:
 
 
 class FlashInferBackend(AttentionBackend):
-    """FlashInfer ragged prefill; q, k, v [T, heads, head_dim] in fp16/bf16 on CUDA."""
+    """FlashInfer ragged prefill; q [T, heads, head_dim], k, v [T, kv_heads, head_dim] in
+    fp16/bf16 on CUDA (kv_heads defaults to heads)."""
 
     name = "flashinfer"
     graph_safe = True
@@ -45,8 +46,12 @@ class FlashInferBackend(AttentionBackend):
         dtype: torch.dtype,
         num_heads: int,
         head_dim: int,
+        num_kv_heads: int | None = None,
+        causal: bool = False,
     ) -> None:
         self._fi = flashinfer
+        self.causal = causal
+        self._num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         self._device = device
         self._dtype = dtype
         self._num_heads = num_heads
@@ -78,9 +83,9 @@ class FlashInferBackend(AttentionBackend):
             indptr,
             indptr,
             self._num_heads,
-            self._num_heads,
+            self._num_kv_heads,
             self._head_dim,
-            causal=False,
+            causal=self.causal,
             q_data_type=self._dtype,
         )
         return wrapper

@@ -54,13 +54,17 @@ class _Plan:
 
 
 class SdpaBackend(AttentionBackend):
-    """SDPA on any device; `strategy` is "auto", "per-sequence" or "block-diagonal"."""
+    """SDPA on any device; `strategy` is "auto", "per-sequence" or "block-diagonal"; `causal`
+    keeps each token to the tokens at or before it in its row."""
 
     name = "sdpa"
 
-    def __init__(self, strategy: str = "auto", device_type: str = "cpu") -> None:
+    def __init__(
+        self, strategy: str = "auto", device_type: str = "cpu", causal: bool = False
+    ) -> None:
         self.strategy = strategy
         self.device_type = device_type
+        self.causal = causal
         # Inside a graph (plan with a slot) the block-diagonal form is always used.
         self.graph_safe = True
 
@@ -80,26 +84,33 @@ class SdpaBackend(AttentionBackend):
         if plan.strategy == "per-sequence":
             return plan
         seg = inputs.seg_ids
-        return seg.unsqueeze(1) == seg.unsqueeze(0)  # [T, T] bool, True where same row
+        mask = seg.unsqueeze(1) == seg.unsqueeze(0)  # [T, T] bool, True where same row
+        if self.causal:  # rows are contiguous: within a row, key index <= query index
+            mask = mask.tril_()
+        return mask
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any) -> torch.Tensor:
+        gqa = k.shape[1] != q.shape[1]
         if isinstance(state, _Plan):
             out = torch.empty_like(q)  # [T, heads, head_dim]
             for start, end in state.bounds:
                 o = F.scaled_dot_product_attention(
                     q[start:end].transpose(0, 1),  # [heads, L, head_dim]
-                    k[start:end].transpose(0, 1),
+                    k[start:end].transpose(0, 1),  # [kv_heads, L, head_dim]
                     v[start:end].transpose(0, 1),
+                    is_causal=self.causal,
+                    enable_gqa=gqa,
                 )  # [heads, L, head_dim]
                 out[start:end] = o.transpose(0, 1)
             return out
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, heads, T, head_dim]
-            k.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),  # [1, kv_heads, T, head_dim]
             v.transpose(0, 1).unsqueeze(0),
-            attn_mask=state,  # [T, T] broadcast over heads
+            attn_mask=state,  # [T, T] broadcast over heads (causal within rows when causal)
+            enable_gqa=gqa,
         )  # [1, heads, T, head_dim]
         return o.squeeze(0).transpose(0, 1).contiguous()  # [T, heads, head_dim]
 
     def describe(self) -> str:
-        return f"sdpa ({self.strategy})"
+        return f"sdpa ({self.strategy}{', causal' if self.causal else ''})"

@@ -22,14 +22,17 @@ from torch import nn
 
 from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
+from rose.models.family import Family, FamilyOptions
 from rose.packed import pack_linears
 
 __all__ = [
     "ARCHITECTURES",
+    "FAMILY",
     "BertConfig",
     "BertEncoder",
     "BertFamilyModel",
     "ClassificationHead",
+    "engine_config",
     "expected_weights",
     "load_weights",
     "position_ids",
@@ -96,6 +99,18 @@ class BertConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def causal(self) -> bool:
+        return False
+
+    @property
+    def default_pooling(self) -> str:
+        return "mean"
+
+    @property
     def position_offset(self) -> int:
         """XLM-R's first position id is padding_idx + 1; BERT's is 0."""
         return self.pad_token_id + 1 if self.family == "xlm-roberta" else 0
@@ -158,6 +173,20 @@ class BertConfig:
                 f"config.json: hidden_size {hidden} is not a multiple of num_attention_heads {heads}"
             )
         return cfg
+
+
+def engine_config(raw: Mapping[str, Any], options: FamilyOptions) -> BertConfig:
+    """`BertConfig` for the engine (the `rose.models` family contract): these encoders
+    attend bidirectionally only and have no LM head to score with."""
+    if options.attention_mode == "causal":
+        raise EngineError(
+            "EngineConfig.attention_mode='causal': BERT and XLM-R encoders attend bidirectionally only"
+        )
+    if options.score_tokens is not None:
+        raise EngineError(
+            "modules.json: a LogitScore module needs a causal LM; BERT and XLM-R have no LM head here"
+        )
+    return BertConfig.from_dict(raw)
 
 
 def _num_labels(raw: Mapping[str, Any]) -> int:
@@ -409,6 +438,14 @@ class BertFamilyModel(nn.Module):
         self.encoder = BertEncoder(cfg)
         self.head = ClassificationHead(cfg) if cfg.classifier else None
 
+    def classify(
+        self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, seg_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Hidden states [T, H] → logits [B, num_labels] from each row's first (CLS) token."""
+        del seg_ids
+        assert self.head is not None
+        return self.head(hidden[cu_seqlens[:-1].clamp(max=hidden.shape[0] - 1)])
+
     def pack_weights(self, batch_hint: int = 512) -> int:
         """Run every linear layer on oneDNN-packed weights with the MLP activation fused
         (`rose.packed`); returns how many layers were packed (0 off CPU). Inference only."""
@@ -433,3 +470,6 @@ def position_ids(cfg: BertConfig, ids: np.ndarray, cu_seqlens: np.ndarray) -> np
     running = np.cumsum(real)  # [T]
     before_row = np.concatenate(([0], running))[starts]  # [T] count before the row's first token
     return (running - before_row) * real + cfg.pad_token_id
+
+
+FAMILY = Family(engine_config, BertFamilyModel, load_weights, position_ids)

@@ -1,0 +1,69 @@
+"""`Family`: the entry points of one encoder family, and `EncoderConfig`, what `rose.Engine`
+reads from a family's config. The contract is described in `rose.models`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["EncoderConfig", "Family", "FamilyOptions"]
+
+
+@dataclass(frozen=True)
+class FamilyOptions:
+    """What a family's config builder gets besides config.json.
+
+    attention_mode: `EngineConfig.attention_mode` ("auto" | "causal" | "bidirectional").
+    score_tokens: (true token id, false token id or None) when the directory's
+        sentence-transformers modules end in a ``LogitScore`` (a causal LM used as a
+        reranker: one logit, the true token's LM logit minus the false token's); else None.
+    A family raises EngineError for an option it cannot honour.
+    """
+
+    attention_mode: str = "auto"
+    score_tokens: tuple[int, int | None] | None = None
+
+
+class EncoderConfig(Protocol):
+    """What `Engine` reads from a family's config."""
+
+    vocab_size: int
+    hidden_size: int  # the embedding dimensions
+    num_heads: int
+    type_vocab_size: int  # 1: token types must be absent or all 0
+    classifier: bool  # a cross-encoder: `classify` gives [B, num_labels] logits
+    num_labels: int  # 0 unless classifier
+    pad_token_id: int  # graph padding token
+
+    @property
+    def num_kv_heads(self) -> int: ...  # < num_heads: grouped-query attention
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @property
+    def max_input_tokens(self) -> int: ...
+
+    @property
+    def position_offset(self) -> int: ...  # position of graph padding tokens
+
+    @property
+    def causal(self) -> bool: ...  # the attention mode, resolved
+
+    @property
+    def default_pooling(self) -> str: ...  # "mean" | "cls" | "last" without a Pooling module
+
+
+@dataclass(frozen=True)
+class Family:
+    """One encoder family's entry points; each family module defines its ``FAMILY``."""
+
+    config: Callable[[Mapping[str, Any], FamilyOptions], Any]  # (config.json, options) → cfg
+    model: Callable[[Any], nn.Module]  # cfg → module with encode / classify / pack_weights
+    load_weights: Callable[[Any, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
+    position_ids: Callable[[Any, np.ndarray, np.ndarray], np.ndarray]  # (cfg, ids, cu) → [T]

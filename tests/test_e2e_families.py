@@ -1,0 +1,276 @@
+"""The new encoder families end to end: real Tulip processes behind one real Ivy.
+
+Tiny random-weight models of each family (no registry ships such weights), saved with
+`transformers` and given a word-level `tokenizer.json` (Ivy tokenizes them with HF
+`tokenizers`):
+
+* a Qwen3 embedder run bidirectionally with mean pooling (pplx-embed's shape) and an MPNet
+  embedder: `/v1/embeddings` (and the OpenAI client) equals ROSE in this process on the
+  same ids (ROSE's parity with `transformers` is tests/test_rose_qwen3.py and
+  tests/test_rose_families.py);
+* ModernBERT and DeBERTa-v3 cross-encoders: `/v1/rerank` (and the Cohere client) gives the
+  order and scores of `transformers` `*ForSequenceClassification` + sigmoid on the pairs
+  HF's tokenizer builds, within 1e-4.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+from ivy.cluster import free_port
+from tulip.process import TulipProcess
+
+VOCAB = 300
+WORDS = [f"w{i}" for i in range(4, VOCAB)]
+SPECIALS = {"[CLS]": 0, "[PAD]": 1, "[SEP]": 2, "[UNK]": 3}
+TEXTS = [
+    "w4 w5 w6",
+    "w10 w11 w12 w13 w14 w15 w16 w17",
+    "w99",
+    " ".join(f"w{4 + (i * 7) % 290}" for i in range(40)),
+    "w200 w201 w7 w7 w7",
+]
+QUERY = "w5 w6 w7 w8"
+
+
+def _tokenizer(path: Path, *, specials: bool) -> None:
+    vocab = {**SPECIALS, **{w: i for i, w in enumerate(WORDS, start=4)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if specials:
+        tok.post_processor = processors.TemplateProcessing(
+            single="[CLS] $A [SEP]",
+            pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", 0), ("[SEP]", 2)],
+        )
+    tok.save(str(path / "tokenizer.json"))
+
+
+def _mean_pooling(path: Path, dims: int) -> None:
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {
+            "idx": 1,
+            "name": "1",
+            "path": "1_Pooling",
+            "type": "sentence_transformers.models.Pooling",
+        },
+    ]
+    (path / "modules.json").write_text(json.dumps(modules))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": dims, "pooling_mode_mean_tokens": True})
+    )
+
+
+def _spread(model: torch.nn.Module) -> None:
+    """Larger random weights than HF's init: attention is far from uniform, scores apart."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "norm" not in name:
+                p.normal_(0.0, 0.3)
+
+
+def _save(model: torch.nn.Module, path: Path) -> Path:
+    _spread(model)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    torch.manual_seed(23)
+    root = tmp_path_factory.mktemp("families")
+    out: dict[str, Path] = {}
+
+    qwen3 = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        use_bidirectional_attention=True,  # pplx-embed's flag
+    )
+    out["qwen3-bidir"] = _save(transformers.Qwen3Model(qwen3), root / "qwen3-bidir")
+    _tokenizer(out["qwen3-bidir"], specials=False)
+    _mean_pooling(out["qwen3-bidir"], 64)
+
+    mpnet = transformers.MPNetConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=130,
+        pad_token_id=1,
+    )
+    out["mpnet"] = _save(transformers.MPNetModel(mpnet, add_pooling_layer=False), root / "mpnet")
+    _tokenizer(out["mpnet"], specials=True)
+    _mean_pooling(out["mpnet"], 64)
+
+    modernbert = transformers.ModernBertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=80,
+        max_position_embeddings=128,
+        local_attention=8,
+        global_attn_every_n_layers=3,
+        pad_token_id=1,
+        cls_token_id=0,
+        sep_token_id=2,
+        bos_token_id=0,
+        eos_token_id=2,
+        num_labels=1,
+    )
+    out["modernbert-rr"] = _save(
+        transformers.ModernBertForSequenceClassification(modernbert), root / "modernbert-rr"
+    )
+    _tokenizer(out["modernbert-rr"], specials=True)
+
+    deberta = transformers.DebertaV2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        type_vocab_size=0,
+        relative_attention=True,
+        pos_att_type="p2c|c2p",
+        position_buckets=8,
+        max_relative_positions=-1,
+        position_biased_input=False,
+        share_att_key=True,
+        norm_rel_ebd="layer_norm",
+        pad_token_id=1,
+        num_labels=1,
+    )
+    out["deberta-rr"] = _save(
+        transformers.DebertaV2ForSequenceClassification(deberta), root / "deberta-rr"
+    )
+    _tokenizer(out["deberta-rr"], specials=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("families-logs")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    tulips = {
+        name: TulipProcess(
+            ["--model", str(path), "--model-name", name, "--device", "cpu", "--threads", "1"],
+            log_path=logs / f"{name}.log",
+            env=env,
+        )
+        for name, path in dirs.items()
+    }
+    with contextlib.ExitStack() as stack:
+        for tulip in tulips.values():
+            stack.enter_context(tulip)
+        port = free_port()
+        argv = [sys.executable, "-m", "ivy", "--port", str(port)]
+        for name, path in dirs.items():
+            argv += ["--model", f"{name}={path}", "--replicas", f"{name}={tulips[name].target}"]
+        ivy_log = stack.enter_context((logs / "ivy.log").open("wb"))
+        ivy = subprocess.Popen(argv, stdout=ivy_log, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for tulip in tulips.values():
+                tulip.wait_serving()
+            deadline = time.monotonic() + 120
+            while True:
+                assert ivy.poll() is None, (logs / "ivy.log").read_text()[-4000:]
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
+                        break
+                assert time.monotonic() < deadline, "ivy not ready"
+                time.sleep(0.2)
+            yield url
+        finally:
+            ivy.terminate()
+            assert ivy.wait(60) == 0, (logs / "ivy.log").read_text()[-4000:]
+
+
+def _rose(path: Path, texts: list[str]) -> np.ndarray:
+    from rose import Engine, EngineConfig, RaggedBatch
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    engine = Engine.load(path, EngineConfig(device="cpu"))
+    rows = [e.ids for e in tok.encode_batch(texts)]
+    return np.asarray(engine.step(RaggedBatch.from_lists(rows)).wait(), dtype=np.float32)
+
+
+def _reference_scores(path: Path, query: str, docs: list[str]) -> np.ndarray:
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
+    scores = []
+    with torch.no_grad():
+        for doc in docs:
+            ids = torch.tensor([tok.encode(query, doc).ids])
+            scores.append(torch.sigmoid(model(input_ids=ids).logits[0, 0]).item())
+    return np.array(scores)
+
+
+@pytest.mark.parametrize("name", ["qwen3-bidir", "mpnet"])
+def test_embeddings_equal_rose_in_process(base: str, dirs: dict[str, Path], name: str) -> None:
+    r = httpx.post(f"{base}/v1/embeddings", json={"model": name, "input": TEXTS}, timeout=60)
+    assert r.status_code == 200, r.text
+    got = np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
+    want = _rose(dirs[name], TEXTS)
+    assert got.shape == (len(TEXTS), 64)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cos.min() >= 0.9999
+
+
+def test_openai_client_on_a_qwen3_embedder(base: str, dirs: dict[str, Path]) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+    got = client.embeddings.create(model="qwen3-bidir", input=TEXTS[:2])
+    vectors = np.array([d.embedding for d in got.data], dtype=np.float32)
+    np.testing.assert_allclose(vectors, _rose(dirs["qwen3-bidir"], TEXTS[:2]), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["modernbert-rr", "deberta-rr"])
+def test_rerank_equals_transformers(base: str, dirs: dict[str, Path], name: str) -> None:
+    body: dict[str, Any] = {"model": name, "query": QUERY, "documents": TEXTS}
+    r = httpx.post(f"{base}/v1/rerank", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    want = _reference_scores(dirs[name], QUERY, TEXTS)
+    assert [x["index"] for x in results] == list(np.argsort(-want, kind="stable"))
+    got = np.array([x["relevance_score"] for x in sorted(results, key=lambda x: x["index"])])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert np.ptp(want) > 1e-2  # the scores really are apart: the order means something
+
+
+def test_cohere_client_on_a_deberta_reranker(base: str, dirs: dict[str, Path]) -> None:
+    import cohere
+
+    client = cohere.ClientV2(base_url=base, api_key="unused")
+    got = client.rerank(model="deberta-rr", query=QUERY, documents=TEXTS, top_n=2)
+    want = _reference_scores(dirs["deberta-rr"], QUERY, TEXTS)
+    assert [x.index for x in got.results] == list(np.argsort(-want, kind="stable")[:2])
+    for x in got.results:
+        assert x.relevance_score == pytest.approx(want[x.index], abs=1e-4)
