@@ -22,7 +22,7 @@ from torch import nn
 
 from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
-from rose.models.family import Family, FamilyOptions
+from rose.models.family import EncoderDefaults, Family, FamilyModule, FamilyOptions
 from rose.packed import pack_linears
 
 __all__ = [
@@ -77,7 +77,7 @@ _IGNORED_NAMES = ("embeddings.position_ids", "embeddings.token_type_ids")
 
 
 @dataclass(frozen=True)
-class BertConfig:
+class BertConfig(EncoderDefaults):
     """What the encoder needs from config.json."""
 
     family: str  # "bert" | "xlm-roberta"
@@ -93,22 +93,6 @@ class BertConfig:
     type_vocab_size: int
     pad_token_id: int
     num_labels: int
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.num_heads
-
-    @property
-    def causal(self) -> bool:
-        return False
-
-    @property
-    def default_pooling(self) -> str:
-        return "mean"
 
     @property
     def position_offset(self) -> int:
@@ -429,7 +413,7 @@ def load_weights(cfg: BertConfig, tensors: Mapping[str, torch.Tensor]) -> dict[s
     return state
 
 
-class BertFamilyModel(nn.Module):
+class BertFamilyModel(FamilyModule):
     """The encoder plus, for cross-encoders, the classification head."""
 
     def __init__(self, cfg: BertConfig) -> None:
@@ -437,14 +421,6 @@ class BertFamilyModel(nn.Module):
         self.cfg = cfg
         self.encoder = BertEncoder(cfg)
         self.head = ClassificationHead(cfg) if cfg.classifier else None
-
-    def classify(
-        self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, seg_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """Hidden states [T, H] → logits [B, num_labels] from each row's first (CLS) token."""
-        del seg_ids
-        assert self.head is not None
-        return self.head(hidden[cu_seqlens[:-1].clamp(max=hidden.shape[0] - 1)])
 
     def pack_weights(self, batch_hint: int = 512) -> int:
         """Run every linear layer on oneDNN-packed weights with the MLP activation fused

@@ -28,10 +28,9 @@ from torch import nn
 from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
 from rose.models.activations import ACTIVATIONS
-from rose.models.family import Family, FamilyOptions
+from rose.models.family import EncoderDefaults, Family, FamilyModule, FamilyOptions
 from rose.models.rows import Block, RowLayout, attend, log_sdpa_fallback, require_bidirectional
 from rose.models.weights import Spec, find_prefix, take
-from rose.packed import pack_linears
 
 __all__ = [
     "ARCHITECTURES",
@@ -60,7 +59,7 @@ _IGNORED_PREFIXES = ("cls.", "lm_predictions.", "mask_predictions.", "lm_head.")
 
 
 @dataclass(frozen=True)
-class DebertaConfig:
+class DebertaConfig(EncoderDefaults):
     family: str  # "deberta-v2"
     classifier: bool
     vocab_size: int
@@ -85,24 +84,6 @@ class DebertaConfig:
     num_labels: int
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.num_heads
-
-    @property
-    def causal(self) -> bool:
-        return False
-
-    @property
-    def default_pooling(self) -> str:
-        """Without a sentence-transformers Pooling module: mean, as sentence-transformers
-        wraps a plain transformers model."""
-        return "mean"
-
-    @property
     def span(self) -> int:
         """Relative positions δ fall in [-span, span); the table has 2·span rows."""
         return self.position_buckets if self.position_buckets > 0 else self.max_relative_positions
@@ -111,10 +92,6 @@ class DebertaConfig:
     def type_vocab_size(self) -> int:
         """Token type ids the engine accepts (ignored when the checkpoint has none)."""
         return self.token_types if self.token_types > 0 else 2
-
-    @property
-    def position_offset(self) -> int:
-        return 0
 
     @property
     def max_input_tokens(self) -> int:
@@ -423,7 +400,7 @@ class ContextPooler(nn.Module):
         return self.proj(self.act(self.dense(cls_hidden)))  # [B, num_labels]
 
 
-class DebertaFamilyModel(nn.Module):
+class DebertaFamilyModel(FamilyModule):
     """The encoder plus, for cross-encoders, the ContextPooler head."""
 
     def __init__(self, cfg: DebertaConfig) -> None:
@@ -432,17 +409,6 @@ class DebertaFamilyModel(nn.Module):
         self.encoder = DebertaEncoder(cfg)
         self.head = ContextPooler(cfg) if cfg.classifier else None
         log_sdpa_fallback("deberta-v2", "disentangled c2p/p2c attention bias")
-
-    def classify(
-        self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, seg_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """hidden [T, H] → logits [B, num_labels] from each row's first token."""
-        assert self.head is not None
-        return self.head(hidden[cu_seqlens[:-1].clamp(max=hidden.shape[0] - 1)])
-
-    def pack_weights(self, batch_hint: int = 512) -> int:
-        """Run the linear layers on oneDNN-packed weights (`rose.packed`); returns how many."""
-        return pack_linears(self, batch_hint)
 
 
 def expected_weights(cfg: DebertaConfig, prefix: str = "") -> Spec:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["EncoderConfig", "Family", "FamilyOptions"]
+__all__ = ["EncoderConfig", "EncoderDefaults", "Family", "FamilyOptions", "FamilyModule"]
 
 
 @dataclass(frozen=True)
@@ -67,3 +67,54 @@ class Family:
     model: Callable[[Any], nn.Module]  # cfg → module with encode / classify / pack_weights
     load_weights: Callable[[Any, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
     position_ids: Callable[[Any, np.ndarray, np.ndarray], np.ndarray]  # (cfg, ids, cu) → [T]
+
+
+class EncoderDefaults:
+    """What most bidirectional encoder configs say alike, mixed into their dataclasses
+    (which override what differs): every head has its own keys and values, no causal
+    mask, mean pooling without a Pooling module (as sentence-transformers wraps a plain
+    transformers model), and graph padding at position 0."""
+
+    hidden_size: int
+    num_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.num_heads
+
+    @property
+    def causal(self) -> bool:
+        return False
+
+    @property
+    def default_pooling(self) -> str:
+        return "mean"
+
+    @property
+    def position_offset(self) -> int:
+        return 0
+
+
+class FamilyModule(nn.Module):
+    """Base of the families' models: `head` (None for embedders) reads each row's first
+    token, as BERT-style cross-encoders do (families that pool otherwise override
+    `classify`), and every linear layer can run on oneDNN-packed weights."""
+
+    head: nn.Module | None
+
+    def classify(
+        self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, seg_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [T, H] → logits [B, num_labels] from each row's first token."""
+        assert self.head is not None
+        return self.head(hidden[cu_seqlens[:-1].clamp(max=hidden.shape[0] - 1)])
+
+    def pack_weights(self, batch_hint: int = 512) -> int:
+        """Run the linear layers on oneDNN-packed weights (`rose.packed`); returns how many."""
+        from rose.packed import pack_linears
+
+        return pack_linears(self, batch_hint)

@@ -26,10 +26,9 @@ from torch import nn
 from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
 from rose.models.activations import ACTIVATIONS
-from rose.models.family import Family, FamilyOptions
+from rose.models.family import EncoderDefaults, Family, FamilyModule, FamilyOptions
 from rose.models.rows import RowLayout, attend, log_sdpa_fallback, require_bidirectional
 from rose.models.weights import Spec, find_prefix, take
-from rose.packed import pack_linears
 
 __all__ = [
     "ARCHITECTURES",
@@ -56,7 +55,7 @@ _ENCODER_PREFIXES = ("", "model.")
 
 
 @dataclass(frozen=True)
-class ModernBertConfig:
+class ModernBertConfig(EncoderDefaults):
     family: str  # "modernbert"
     classifier: bool
     vocab_size: int
@@ -80,24 +79,6 @@ class ModernBertConfig:
     num_labels: int
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.num_heads
-
-    @property
-    def causal(self) -> bool:
-        return False
-
-    @property
-    def default_pooling(self) -> str:
-        """Without a sentence-transformers Pooling module: mean, as sentence-transformers
-        wraps a plain transformers model."""
-        return "mean"
-
-    @property
     def window(self) -> int:
         return self.local_attention // 2
 
@@ -105,10 +86,6 @@ class ModernBertConfig:
     def type_vocab_size(self) -> int:
         """Token type ids the engine accepts: ModernBERT has none and ignores them."""
         return 2
-
-    @property
-    def position_offset(self) -> int:
-        return 0
 
     @property
     def max_input_tokens(self) -> int:
@@ -377,7 +354,7 @@ def _pool(
     return sums / lengths.unsqueeze(1).to(hidden.dtype)
 
 
-class ModernBertFamilyModel(nn.Module):
+class ModernBertFamilyModel(FamilyModule):
     """The encoder plus, for cross-encoders, the classification head (see its pooling)."""
 
     def __init__(self, cfg: ModernBertConfig) -> None:
@@ -393,10 +370,6 @@ class ModernBertFamilyModel(nn.Module):
         """hidden [T, H], cu_seqlens [B+1], seg_ids [T] → logits [B, num_labels]."""
         assert self.head is not None
         return self.head(hidden, cu_seqlens, seg_ids)
-
-    def pack_weights(self, batch_hint: int = 512) -> int:
-        """Run the linear layers on oneDNN-packed weights (`rose.packed`); returns how many."""
-        return pack_linears(self, batch_hint)
 
 
 def expected_weights(cfg: ModernBertConfig, prefix: str = "") -> Spec:

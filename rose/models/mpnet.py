@@ -23,10 +23,9 @@ from torch import nn
 from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
 from rose.models.activations import ACTIVATIONS
-from rose.models.family import Family, FamilyOptions
+from rose.models.family import EncoderDefaults, Family, FamilyModule, FamilyOptions
 from rose.models.rows import Block, RowLayout, attend, log_sdpa_fallback, require_bidirectional
 from rose.models.weights import Spec, find_prefix, take
-from rose.packed import pack_linears
 
 __all__ = [
     "ARCHITECTURES",
@@ -59,7 +58,7 @@ _IGNORED_NAMES = ("embeddings.position_ids",)
 
 
 @dataclass(frozen=True)
-class MPNetConfig:
+class MPNetConfig(EncoderDefaults):
     family: str  # "mpnet"
     classifier: bool
     vocab_size: int
@@ -75,33 +74,9 @@ class MPNetConfig:
     num_labels: int
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.num_heads
-
-    @property
-    def causal(self) -> bool:
-        return False
-
-    @property
-    def default_pooling(self) -> str:
-        """Without a sentence-transformers Pooling module: mean, as sentence-transformers
-        wraps a plain transformers model."""
-        return "mean"
-
-    @property
     def type_vocab_size(self) -> int:
         """Token type ids the engine accepts: MPNet has none and ignores them, as transformers."""
         return 2
-
-    @property
-    def position_offset(self) -> int:
-        """The engine's positions are row-local (0, 1, ...); the embedding index is computed
-        from them on the device."""
-        return 0
 
     @property
     def max_input_tokens(self) -> int:
@@ -300,7 +275,7 @@ class ClassificationHead(nn.Module):
         return self.proj(torch.tanh(self.dense(cls_hidden)))  # [B, num_labels]
 
 
-class MPNetFamilyModel(nn.Module):
+class MPNetFamilyModel(FamilyModule):
     """The encoder plus, for cross-encoders, the classification head."""
 
     def __init__(self, cfg: MPNetConfig) -> None:
@@ -309,17 +284,6 @@ class MPNetFamilyModel(nn.Module):
         self.encoder = MPNetEncoder(cfg)
         self.head = ClassificationHead(cfg) if cfg.classifier else None
         log_sdpa_fallback("mpnet", "relative position bias")
-
-    def classify(
-        self, hidden: torch.Tensor, cu_seqlens: torch.Tensor, seg_ids: torch.Tensor
-    ) -> torch.Tensor:
-        """hidden [T, H] → logits [B, num_labels] from each row's first token."""
-        assert self.head is not None
-        return self.head(hidden[cu_seqlens[:-1].clamp(max=hidden.shape[0] - 1)])
-
-    def pack_weights(self, batch_hint: int = 512) -> int:
-        """Run the linear layers on oneDNN-packed weights (`rose.packed`); returns how many."""
-        return pack_linears(self, batch_hint)
 
 
 def expected_weights(cfg: MPNetConfig, prefix: str = "") -> Spec:

@@ -39,9 +39,8 @@ from torch import nn
 
 from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
-from rose.models.family import Family, FamilyOptions
+from rose.models.family import Family, FamilyModule, FamilyOptions
 from rose.models.llama import RMSNorm, apply_rope, rope_cos_sin
-from rose.packed import pack_linears
 
 __all__ = [
     "ARCHITECTURES",
@@ -309,7 +308,7 @@ class Qwen3Encoder(nn.Module):
         return self.norm(x)
 
 
-class Qwen3FamilyModel(nn.Module):
+class Qwen3FamilyModel(FamilyModule):
     """The encoder plus, for rerankers, the one-row head read at each row's last token."""
 
     def __init__(self, cfg: Qwen3Config) -> None:
@@ -327,11 +326,6 @@ class Qwen3FamilyModel(nn.Module):
         del seg_ids
         assert self.head is not None
         return self.head(hidden[(cu_seqlens[1:] - 1).clamp(min=0)])  # [B, num_labels]
-
-    def pack_weights(self, batch_hint: int = 512) -> int:
-        """Run every linear layer on oneDNN-packed weights (`rose.packed`); returns how many
-        were packed (0 off CPU). Inference only."""
-        return pack_linears(self, batch_hint)
 
 
 # -- weights ---------------------------------------------------------------------------------
