@@ -15,7 +15,6 @@ app when it asks for more.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import re
 import uuid
@@ -110,8 +109,9 @@ class Authenticate:
 
 
 class CancelOnDisconnect:
-    """Runs each HTTP request in a task and cancels it when the client disconnects after
-    sending its body (before the response is complete)."""
+    """Cancels the request's task when its client disconnects after sending its body
+    (before the response is complete); the cancellation ends here, so the server sees a
+    request that simply produced no response."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -120,19 +120,22 @@ class CancelOnDisconnect:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        task = asyncio.current_task()
+        assert task is not None
         disconnect: asyncio.Future[Message] = asyncio.get_running_loop().create_future()
         watcher: asyncio.Task[None] | None = None
-        app_task: asyncio.Task[None] | None = None
-        finished = False
+        finished = cancelled = False
 
         async def watch() -> None:
+            nonlocal cancelled
             message = await receive()
             while message["type"] != "http.disconnect":  # stray body frames: ignore them
                 message = await receive()
             if not disconnect.done():
                 disconnect.set_result(message)
-            if app_task is not None and not finished:
-                app_task.cancel()
+            if not finished:
+                cancelled = True
+                task.cancel()
 
         async def guarded_receive() -> Message:
             nonlocal watcher
@@ -153,16 +156,15 @@ class CancelOnDisconnect:
                 finished = True
             await send(message)
 
-        app_task = asyncio.ensure_future(self.app(scope, guarded_receive, guarded_send))
         try:
-            await app_task
+            await self.app(scope, guarded_receive, guarded_send)
         except asyncio.CancelledError:
-            if not disconnect.done():
-                raise  # we were cancelled ourselves (server shutdown), not the client
-            # The client left: its request was dropped, and nobody is left to answer.
+            if not cancelled or getattr(task, "cancelling", lambda: 1)() > 1:
+                raise  # cancelled by someone else (too): server shutdown, pass it on
+            if hasattr(task, "uncancel"):  # Python >= 3.11 counts cancellations
+                task.uncancel()
+            # Ours, for a client that left: nobody is left to answer.
         finally:
             finished = True
             if watcher is not None and not watcher.done():
                 watcher.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watcher
