@@ -101,6 +101,12 @@ def test_overload_is_answered_with_quick_429s_and_nothing_else(cluster: UpCluste
     stopped = time.monotonic()
 
     counts = {s: sum(1 for a in answers if a[0] == s) for s in {a[0] for a in answers}}
+    waits = sorted(a[1] for a in answers if a[0] == 429) or [0.0]
+    refusal_p99 = waits[int(0.99 * (len(waits) - 1))]
+    print(  # for the record (pytest -s): what the overload looked like
+        f"overload: {counts}; 429 p99 {refusal_p99:.3f}s; probes "
+        f"{sorted((s, round(t, 3)) for s, t in probes)}"
+    )
     assert set(counts) <= {200, 429}, counts
     assert counts.get(200, 0) >= 1, counts  # the replicas kept finishing whole requests
     assert counts.get(429, 0) > CLIENTS, counts  # it really was an overload
