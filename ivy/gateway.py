@@ -7,7 +7,7 @@ import asyncio
 import base64
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,11 +175,11 @@ class Gateway:
             )
             timings.inference_s = time.perf_counter() - t1
         self.metrics.input_tokens.labels(model=req.model).inc(int(ids.size))
-        if req.encoding_format == "base64":
-            le = vectors.astype("<f4", copy=False)
+        encode = _ENCODINGS.get(req.encoding_format)
+        if encode is not None:
             data = [
                 {"object": "embedding", "index": i, "embedding": base64.b64encode(row).decode()}
-                for i, row in enumerate(le)
+                for i, row in enumerate(encode(vectors))
             ]
         else:
             data = [
@@ -313,6 +313,30 @@ class Gateway:
                 for name in self.models
             ],
         }
+
+
+def quantize_int8(vectors: np.ndarray) -> np.ndarray:
+    """[N, D] float → [N, D] int8: each vector scaled by 127 / its largest magnitude and
+    rounded half to even (a zero vector stays zero). Cosine similarity is unaffected by the
+    per-vector scale, so int8 vectors compare as the floats do, up to rounding."""
+    x = vectors.astype(np.float64)
+    peak = np.abs(x).max(axis=1, keepdims=True)
+    peak[peak == 0] = 1.0
+    return np.clip(np.rint(127.0 * x / peak), -128, 127).astype(np.int8)
+
+
+def pack_binary(vectors: np.ndarray) -> np.ndarray:
+    """[N, D] float → [N, ceil(D / 8)] uint8: bit d is 1 where x_d > 0, packed least
+    significant bit first (dimension 0 is bit 0 of byte 0); Hamming distance compares them."""
+    return np.packbits(vectors > 0, axis=1, bitorder="little")
+
+
+# encoding_format → rows of bytes to base64 each (absent: float lists).
+_ENCODINGS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "base64": lambda v: v.astype("<f4", copy=False),
+    "base64_int8": quantize_int8,
+    "base64_binary": pack_binary,
+}
 
 
 def _check_lengths(lengths: np.ndarray, limit: int, param: str) -> None:

@@ -50,7 +50,12 @@ class EmbeddingRequest(_Strict):
         description="Text, texts, token ids or lists of token ids (at most `--max-inputs`, default 2048)."
     )
     model: str
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64", "base64_int8", "base64_binary"] = Field(
+        default="float",
+        description="float; base64 (little-endian float32, OpenAI); base64_int8 (signed int8 "
+        "per dimension, round(127 * x / max|x|) per vector); base64_binary (1 bit per "
+        "dimension, 1 where x > 0, packed LSB first), as Perplexity's API defines them.",
+    )
     dimensions: PositiveUInt32 | None = Field(
         default=None, description="Keep the first N values (at most the model's size)."
     )

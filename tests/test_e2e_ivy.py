@@ -314,3 +314,38 @@ def test_killing_a_replica_under_load_loses_no_request(
         assert (
             client.post("/v1/embeddings", json={"model": name, "input": "after"}).status_code == 200
         )
+
+
+def test_int8_embeddings_keep_the_float_direction_on_real_texts(base: str, name: str) -> None:
+    body = {"model": name, "input": TEXTS}
+    floats = decode(
+        httpx.post(f"{base}/v1/embeddings", json=body, timeout=60).json()["data"], "float"
+    )
+    r = httpx.post(
+        f"{base}/v1/embeddings", json={**body, "encoding_format": "base64_int8"}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    q = np.stack(
+        [np.frombuffer(base64.b64decode(d["embedding"]), np.int8) for d in r.json()["data"]]
+    )
+    assert q.shape == floats.shape and q.dtype == np.int8
+    assert cosines(q.astype(np.float32), floats).min() >= 0.99
+    # Rankings survive too: query-to-text cosines computed on int8 stay within 0.01.
+    qn = q / np.linalg.norm(q.astype(np.float32), axis=1, keepdims=True)
+    fn = floats / np.linalg.norm(floats, axis=1, keepdims=True)
+    assert np.abs(qn @ qn.T - fn @ fn.T).max() < 0.01
+    r = httpx.post(
+        f"{base}/v1/embeddings",
+        json={**body, "encoding_format": "base64_binary", "dimensions": 128},
+        timeout=60,
+    )
+    bits = np.stack(
+        [
+            np.unpackbits(
+                np.frombuffer(base64.b64decode(d["embedding"]), np.uint8), bitorder="little"
+            )
+            for d in r.json()["data"]
+        ]
+    )
+    assert bits.shape == (len(TEXTS), 128)
+    assert (bits == (floats[:, :128] > 0)).all()

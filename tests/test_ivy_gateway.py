@@ -839,3 +839,31 @@ def test_max_inputs_is_the_one_limit_on_inputs(
         r = httpx.post(f"{base}/v1/embeddings", json={"model": "fake", "input": ["w1"] * 3001})
         err = assert_error(r, 400, "input")
         assert "At most 3000 inputs" in err["message"]
+
+
+def test_int8_and_binary_encodings_follow_the_documented_scheme(client: httpx.Client) -> None:
+    texts = ["w1 w2", "w3", "w4 w5 w6 w7"]
+    for dims in (None, 5):  # Matryoshka truncation happens before quantizing
+        body: dict[str, Any] = {"input": texts, "model": "fake"}
+        if dims:
+            body["dimensions"] = dims
+        floats = np.array(
+            [d["embedding"] for d in client.post("/v1/embeddings", json=body).json()["data"]],
+            dtype=np.float32,
+        )
+        width = dims or DIMS
+        assert floats.shape == (3, width)
+        r = client.post("/v1/embeddings", json={**body, "encoding_format": "base64_int8"})
+        assert r.status_code == 200, r.text
+        got = [np.frombuffer(base64.b64decode(d["embedding"]), np.int8) for d in r.json()["data"]]
+        for row, f in zip(got, floats, strict=True):
+            # The README's scheme, written out independently: round half to even of
+            # 127 * x / max|x|, per vector.
+            want = [int(round(127 * x / max(abs(v) for v in f))) for x in f]
+            assert row.tolist() == want
+        r = client.post("/v1/embeddings", json={**body, "encoding_format": "base64_binary"})
+        got_bits = [base64.b64decode(d["embedding"]) for d in r.json()["data"]]
+        for packed, f in zip(got_bits, floats, strict=True):
+            assert len(packed) == (width + 7) // 8
+            bits = [(packed[d // 8] >> (d % 8)) & 1 for d in range(width)]  # LSB first
+            assert bits == [int(x > 0) for x in f]
