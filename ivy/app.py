@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ivy.config import WORKER_CONFIG_ENV, IvyConfig
 from ivy.errors import (
+    CLIENT_CLOSED,
     BodyTooLargeError,
     InternalError,
     IvyError,
@@ -57,8 +58,6 @@ __all__ = ["create_app", "create_app_from_env"]
 log = logging.getLogger("ivy")
 
 _JSON = "application/json"
-# Counted (and answered to nobody) when the client disconnected before its answer.
-_CLIENT_CLOSED = 499
 _ORJSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
 _ERRORS = {
     str(status): {"model": ErrorResponse, "description": text}
@@ -133,7 +132,7 @@ class _MetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         except asyncio.CancelledError:
             if not started:
-                status = _CLIENT_CLOSED  # the client left (`CancelOnDisconnect`)
+                status = CLIENT_CLOSED  # the client left (`CancelOnDisconnect`)
             raise
         finally:
             self.metrics.requests.labels(route=route, status=str(status)).inc()

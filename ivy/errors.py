@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import orjson
 
 __all__ = [
+    "CLIENT_CLOSED",
     "AuthenticationError",
     "BodyTooLargeError",
     "DeadlineError",
@@ -26,6 +27,9 @@ __all__ = [
     "error_body",
     "request_id",
 ]
+
+# The status counted (and answered to nobody) when a client disconnected before its answer.
+CLIENT_CLOSED = 499
 
 # The id of the request being served (set by Ivy's request-id middleware; "" outside a
 # request). Server errors name it, so a client can quote it and the log has the details.

@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from ivy import sse
-from ivy.errors import IvyError, ValidationError
+from ivy.errors import CLIENT_CLOSED, IvyError, ValidationError
 from ivy.gateway import Gateway
 from ivy.generation import (
     Generation,
@@ -62,8 +62,6 @@ _FORMS = {
         f"{MAX_STOP_CHARS} characters."
     ),
 }
-# Answered (to nobody) when the client disconnected before its answer was ready.
-_CLIENT_CLOSED = 499
 _REQUEST_MODEL_KEY = "x-ivy-generation-request-model"
 _REQUEST_MODELS: dict[str, type[pydantic.BaseModel]] = {
     m.__name__: m for m in (ChatCompletionRequest, CompletionRequest)
@@ -213,7 +211,7 @@ async def _chat(
         return sse.response(events, headers, _closer(generations))
     outcomes = await _collect_unless_gone(request, generations)
     if outcomes is None:
-        return Response(status_code=_CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
     (outcome,) = outcomes
     body = {
         **head,
@@ -248,7 +246,7 @@ async def _completion(
         return sse.response(events, headers, _closer(generations))
     outcomes = await _collect_unless_gone(request, generations)
     if outcomes is None:
-        return Response(status_code=_CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)
     body = {
         **head,
         "choices": [

@@ -24,14 +24,13 @@ from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ivy.errors import BodyTooLargeError, InternalError, IvyError, request_id
+from ivy.errors import CLIENT_CLOSED, BodyTooLargeError, InternalError, IvyError, request_id
 from ivy.metrics import Metrics
+from ivy.middleware import send_json
 
 __all__ = ["Answer", "HotHandler", "HotRoutes"]
 
 log = logging.getLogger("ivy")
-
-_JSON = b"application/json"
 
 
 @dataclass(frozen=True)
@@ -87,19 +86,16 @@ class HotRoutes:
         except IvyError as exc:
             answer = Answer(exc.status, exc.body(), exc.headers or {})
         except _Disconnected:
-            self._count(path, 499, start)
+            self._count(path, CLIENT_CLOSED, start)
             return
         except asyncio.CancelledError:
-            self._count(path, 499, start)  # the client left (`CancelOnDisconnect`)
+            self._count(path, CLIENT_CLOSED, start)  # the client left (`CancelOnDisconnect`)
             raise
         except Exception:
             log.exception("ivy: unexpected error on %s (request id %s)", path, request_id.get())
             answer = Answer(500, InternalError().body())
-        headers = [(b"content-type", _JSON), (b"content-length", str(len(answer.body)).encode())]
-        headers += [(k.lower().encode(), v.encode("latin-1")) for k, v in answer.headers.items()]
         try:
-            await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-            await send({"type": "http.response.body", "body": answer.body})
+            await send_json(send, answer.status, answer.body, answer.headers)
         finally:
             self._count(path, answer.status, start)
 

@@ -18,24 +18,23 @@ import asyncio
 import hmac
 import re
 import uuid
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ivy.errors import AuthenticationError, IvyError, request_id
+from ivy.errors import AuthenticationError, request_id
 
-__all__ = ["Authenticate", "CancelOnDisconnect", "RequestId", "send_error"]
+__all__ = ["Authenticate", "CancelOnDisconnect", "RequestId", "send_json"]
 
 _JSON = b"application/json"
 _CLIENT_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,64}$")
 
 
-async def send_error(send: Send, error: IvyError) -> None:
-    """Answer with `error`'s JSON envelope (before any response was started)."""
-    body = error.body()
-    headers = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode("latin-1")) for k, v in error.headers.items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+async def send_json(send: Send, status: int, body: bytes, headers: Mapping[str, str]) -> None:
+    """Answer with a complete JSON `body` and extra `headers` (no response started yet)."""
+    raw = [(b"content-type", _JSON), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -89,7 +88,7 @@ class Authenticate:
                     break
             error = self.check(header)
             if error is not None:
-                await send_error(send, error)
+                await send_json(send, error.status, error.body(), error.headers)
                 return
         await self.app(scope, receive, send)
 

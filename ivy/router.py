@@ -175,7 +175,7 @@ class Router:
         *,
         dimensions: int,
         deadline: float,
-        claim: Claim | None = None,
+        claim: Claim,
     ) -> tuple[np.ndarray, int, float]:
         """Embeddings [inputs, dims] float32 in input order, the chunk count and the
         replicas' own time (queue + inference, seconds; the slowest chunk)."""
@@ -198,7 +198,7 @@ class Router:
         first_segment_lengths: np.ndarray,
         *,
         deadline: float,
-        claim: Claim | None = None,
+        claim: Claim,
     ) -> tuple[np.ndarray, int, float]:
         """Pair scores [pairs, num_labels] in input order, the chunk count and the
         replicas' own time (seconds, the slowest chunk)."""
@@ -222,7 +222,7 @@ class Router:
         lengths: np.ndarray,
         make_request: Callable[[Chunk], pb.EmbedRequest | pb.ScoreRequest],
         deadline: float,
-        claim: Claim | None,
+        claim: Claim,
     ) -> tuple[np.ndarray, int, float]:
         """Split into chunks, send them (a window at a time), and reassemble the result
         rows in input order; also the chunk count and the slowest chunk's replica time."""
@@ -240,8 +240,6 @@ class Router:
             )
         pool = self.pools[model]
         total = sum(c.tokens for c in chunks)
-        if claim is None:
-            claim = Claim(pool)
         if not claim.tokens:  # not admitted by its size yet
             self._check_room(model, pool, total, deadline)
         claim.hold(total)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -149,10 +150,15 @@ class RoseBackend:
 
     async def warm_up(self) -> None:
         """Run one small batch through the engine so the first request pays no set-up."""
+        await self.timed_batch(2, _WARMUP_TOKENS)
+
+    async def timed_batch(self, rows: int, length: int) -> tuple[int, float]:
+        """Run `rows` synthetic inputs of `length` tokens (at most the model's limit) and
+        return (tokens, seconds): the warm-up, and the speed the scheduler admits by."""
         limits = self.served.limits
-        length = min(_WARMUP_TOKENS, limits.max_input_tokens)
-        ids = (np.arange(2 * length, dtype=np.uint32) % limits.vocab_size).astype(np.uint32)
-        lengths = np.array([length, length], dtype=np.uint32)
+        length = max(1, min(length, limits.max_input_tokens))
+        ids = (np.arange(rows * length, dtype=np.int64) % limits.vocab_size).astype(np.uint32)
+        lengths = np.full(rows, length, dtype=np.uint32)
         # Pairs as `score_work` admits them: a model with one token type (XLM-R
         # cross-encoders such as bge-reranker) gets no segments, i.e. type 0 throughout.
         pairs = limits.kind == "cross-encoder" and limits.token_types > 1
@@ -160,7 +166,9 @@ class RoseBackend:
         batch = BatchInputs(
             ids=ids, lengths=lengths, first_segment_lengths=first, pooling=None, normalize=None
         )
+        start = time.monotonic()
         await self.step(batch)
+        return int(ids.size), time.monotonic() - start
 
     # -- post-processing -----------------------------------------------------------------
 

@@ -220,7 +220,7 @@ class Scheduler:
                         f"work ahead, {max(0.0, left):.2f}s left; retry later"
                     )
         future: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        job = _Job(work=work, future=future, admitted=time.monotonic(), deadline=deadline)
+        job = _Job(work=work, future=future, admitted=now, deadline=deadline)
         future.add_done_callback(functools.partial(self._on_done, job))
         self._queue.append(job)
         self._queued_tokens += work.tokens
@@ -407,9 +407,9 @@ class Scheduler:
             next_flight.started = max(next_flight.submitted, ended)
         started = flight.started if flight.started is not None else flight.submitted
         self._metrics.inference_seconds.observe(ended - started)
-        if not flight.task.cancelled() and flight.task.exception() is None:
-            self._service.observe(flight.tokens, ended - started)
         error = flight.task.exception() if not flight.task.cancelled() else None
+        if not flight.task.cancelled() and error is None:
+            self._service.observe(flight.tokens, ended - started)
         if flight.task.cancelled() or error is not None:
             failure = EngineFailed(f"engine failed on a batch of {flight.rows} inputs: {error}")
             self._fail_or_isolate(flight.jobs, failure)

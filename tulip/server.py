@@ -19,7 +19,6 @@ import time
 from collections.abc import Awaitable, Callable
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
@@ -29,7 +28,7 @@ from tulip.backend import RoseBackend, resolve_model_dir
 from tulip.config import ConfigError, TulipConfig
 from tulip.generation import GenerationBackend, is_generator
 from tulip.metrics import Metrics
-from tulip.scheduler import BatchInputs, BatchLimits, Scheduler
+from tulip.scheduler import BatchLimits, Scheduler
 from tulip.service import InferenceService
 
 __all__ = ["SERVICE_NAME", "load_backend", "serve"]
@@ -137,28 +136,16 @@ async def serve(
             endpoint.close()
 
 
-# Batch sizes (tokens) timed before serving, so admission by time knows the engine's speed
-# from the first request on: two sizes give its fixed cost per batch and its cost per token.
-_SPEED_PROBES = (64, 512)
+# Batches timed before serving, as (rows, tokens per row), so admission by time knows the
+# engine's speed from the first request on: two sizes give its fixed cost per batch and its
+# cost per token.
+_SPEED_PROBES = ((1, 64), (4, 128))
 
 
 async def _measure_speed(backend: RoseBackend, scheduler: Scheduler) -> None:
-    """Time a small and a larger batch of synthetic ids and teach the scheduler."""
-    limits = backend.served.limits
-    for tokens in _SPEED_PROBES:
-        length = max(1, min(limits.max_input_tokens, 128, tokens))
-        rows = max(1, tokens // length)
-        ids = (np.arange(rows * length, dtype=np.int64) % limits.vocab_size).astype(np.uint32)
-        batch = BatchInputs(
-            ids=ids,
-            lengths=np.full(rows, length, dtype=np.uint32),
-            first_segment_lengths=None,
-            pooling=None,
-            normalize=None,
-        )
-        start = time.monotonic()
-        await backend.step(batch)
-        scheduler.observe_batch(int(ids.size), time.monotonic() - start)
+    """Time a small and a larger synthetic batch and teach the scheduler."""
+    for rows, length in _SPEED_PROBES:
+        scheduler.observe_batch(*await backend.timed_batch(rows, length))
     backend.served.info.seconds_per_token = scheduler.seconds_per_token()
 
 
