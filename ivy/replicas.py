@@ -20,22 +20,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ivy.calls import CallMux
 from ivy.metrics import Metrics
+from protos.grpc_options import CLIENT_OPTIONS
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
 
 __all__ = ["SATURATED_SECONDS", "Replica", "ReplicaPool"]
 
 _CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-    ("grpc.max_send_message_length", 256 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    # Message size and keepalive, as Tulip's server expects them (protos/grpc_options.py).
+    *CLIENT_OPTIONS,
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
     # One HTTP/2 connection per replica carries every request of this worker.
     ("grpc.use_local_subchannel_pool", 1),
 )
-# After a call fails with UNAVAILABLE the replica is avoided this long, whatever health says.
+# After a call fails with UNAVAILABLE (or the replica stalls while another answers) the
+# replica is avoided this long while another serving replica can take the work.
 _SUSPECT_SECONDS = 1.0
 # After a replica refuses work for capacity, new requests avoid it this long; when every
 # healthy replica of a pool is refusing, Ivy sheds new requests before tokenizing them.
@@ -75,8 +75,13 @@ class Replica:
         self._watch_task: asyncio.Task[None] | None = None
 
     @property
+    def suspect(self) -> bool:
+        return time.monotonic() < self.suspect_until
+
+    @property
     def healthy(self) -> bool:
-        return self.watched_serving and time.monotonic() >= self.suspect_until
+        """Serving and not suspect: a replica work goes to first."""
+        return self.watched_serving and not self.suspect
 
     @property
     def saturated(self) -> bool:
@@ -84,7 +89,8 @@ class Replica:
 
     def mark_suspect(self) -> None:
         """The replica failed in a way only it can cause (its stream broke, it is stopping,
-        or it stalled while another replica answered): route around it for a while."""
+        or it stalled while another replica answered): route around it for a while, as
+        long as another serving replica can take the work (`ReplicaPool.pick`)."""
         self.suspect_until = time.monotonic() + _SUSPECT_SECONDS
 
     def mark_saturated(self) -> None:
@@ -133,14 +139,20 @@ class Replica:
     async def _watch(self, on_info: Callable[[Replica], None], retry_seconds: float) -> None:
         health = health_pb2_grpc.HealthStub(self.channel)
         service_index = 0
+        # The last watch delivered a status: when it breaks, watch again at once (unless
+        # it broke within `retry_seconds` of being opened: no tight loop on a flapping one).
+        rewatch = False
         while True:
             service = _HEALTH_SERVICES[service_index]
+            opened = time.monotonic()
             try:
                 call = health.Watch(health_pb2.HealthCheckRequest(service=service))
                 async for status in call:
+                    rewatch = True
                     if status.status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN:
                         service_index = (service_index + 1) % len(_HEALTH_SERVICES)
                         self._set_serving(False)
+                        rewatch = False
                         call.cancel()
                         break
                     serving = status.status == health_pb2.HealthCheckResponse.SERVING
@@ -150,6 +162,7 @@ class Replica:
                             on_info(self)
                         if self.info is None:  # serving but not answering: watch again later
                             self._set_serving(False)
+                            rewatch = False
                             call.cancel()
                             break
                     self._set_serving(serving)
@@ -158,6 +171,13 @@ class Replica:
                     # No streaming health: fall back to polling Check.
                     await self._poll(health, service, on_info, retry_seconds)
                     return
+                if rewatch and time.monotonic() - opened >= retry_seconds:
+                    # A watch that was up broke (a reset connection, a GOAWAY): the replica
+                    # is likely alive, so watch again at once and keep its state meanwhile;
+                    # only a watch that cannot be opened again says it is gone.
+                    rewatch = False
+                    continue
+                rewatch = False
                 self._set_serving(False)
             await asyncio.sleep(retry_seconds)
 
@@ -251,7 +271,13 @@ class ReplicaPool:
             await asyncio.sleep(refresh_seconds)
 
     def healthy(self) -> list[Replica]:
-        return [r for r in self.replicas.values() if r.healthy]
+        """The replicas health says are serving, suspect ones included: a suspect replica is
+        only routed around while another can take its work (`pick`), so it still counts
+        for readiness, admission and capacity. One stalled or failed call must not take a
+        live replica out of service: were every replica suspect at once (two hedges won in
+        opposite directions, a broken stream on each), the pool would refuse everything
+        with 503 while every replica is alive."""
+        return [r for r in self.replicas.values() if r.watched_serving]
 
     def seconds_per_token(self) -> float | None:
         """The healthy replicas' mean wall seconds per token lately (None: no answer yet)."""
@@ -259,7 +285,7 @@ class ReplicaPool:
         return sum(rates) / len(rates) if rates else None
 
     def saturated(self) -> bool:
-        """Every healthy replica refused work for capacity just now (none is healthy:
+        """Every serving replica refused work for capacity just now (none is serving:
         False, so the request gets the "no healthy replica" answer instead)."""
         healthy = self.healthy()
         return bool(healthy) and all(r.saturated for r in healthy)
@@ -270,9 +296,14 @@ class ReplicaPool:
         *,
         unsaturated: bool = False,
     ) -> Replica | None:
-        """Least outstanding tokens among two random healthy replicas, preferring those
-        that did not just refuse work (only those when `unsaturated`)."""
-        candidates = [r for r in self.replicas.values() if r.healthy and r not in exclude]
+        """Least outstanding tokens among two random serving replicas, preferring those not
+        suspect, then those that did not just refuse work. With `unsaturated` (a hedge, which
+        is optional work) only a replica neither suspect nor refusing will do; otherwise a
+        suspect replica is used when no other is left, rather than refusing the call."""
+        candidates = [r for r in self.replicas.values() if r.watched_serving and r not in exclude]
+        trusted = [r for r in candidates if not r.suspect]
+        if trusted or unsaturated:
+            candidates = trusted
         free = [r for r in candidates if not r.saturated]
         if free or unsaturated:
             candidates = free

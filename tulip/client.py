@@ -25,6 +25,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from protos.grpc_options import CLIENT_OPTIONS
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
 from protos.wire import pack_token_batch, unpack_tensor
@@ -57,7 +58,6 @@ _ACTIVATION = {
     "sigmoid": pb.ACTIVATION_SIGMOID,
 }
 _DTYPE = {"float32": pb.DTYPE_FLOAT32, "float16": pb.DTYPE_FLOAT16}
-_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, eq=False)
@@ -155,13 +155,7 @@ class TulipClient:
 
     def __init__(self, target: str, *, channel: grpc.aio.Channel | None = None) -> None:
         self.target = target
-        self._channel = channel or grpc.aio.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-            ],
-        )
+        self._channel = channel or grpc.aio.insecure_channel(target, options=CLIENT_OPTIONS)
         self._stub = pb_grpc.InferenceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from protos.grpc_options import SERVER_OPTIONS
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
 from tulip.backend import RoseBackend, resolve_model_dir
@@ -34,7 +35,6 @@ from tulip.service import InferenceService
 __all__ = ["SERVICE_NAME", "load_backend", "serve"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
-_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 _FLUSH_SECONDS = 2.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -67,12 +67,8 @@ async def serve(
     health = health_aio.HealthServicer()
     await _set_health(health, _NOT_SERVING)
     service = InferenceService(metrics)
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-        ]
-    )
+    # Message size and keepalive policy agree with the clients' (protos/grpc_options.py).
+    server = grpc.aio.server(options=list(SERVER_OPTIONS))
     pb_grpc.add_InferenceServicer_to_server(service, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
