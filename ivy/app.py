@@ -1,156 +1,139 @@
-"""The FastAPI application of one Ivy worker.
+"""One Ivy worker: the route table, the exception map, and the ASGI app serving them.
 
-Bodies are read as bytes (with a size cap), parsed with orjson and validated with the
-strict models in `ivy.schemas`; responses are serialized with orjson. The same models
-are attached to /openapi.json so it documents exactly what is accepted.
+`route_table` lists every route once (`ivy.routes.Route`); `IvyApp` serves the table
+(body read once, validated by the route's request model, the handler's answer serialized
+by orjson), generates /openapi.json from it (`ivy.openapi`), labels metrics by its paths
+and lets through its public paths without a key. The middleware stack (`ivy.middleware`)
+wraps it, one job per layer.
+
+Invariant: every exception a handler raises becomes an answer in OpenAI's error envelope
+through `error_for`, the one exception map; a cancellation (the client left, or shutdown)
+is never turned into an answer.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import numpy as np
 import orjson
 import pydantic
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ivy import sse
+from ivy.asgi import (
+    ASGIApp,
+    Disconnected,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_body,
+    send_json,
+)
 from ivy.config import WORKER_CONFIG_ENV, IvyConfig
 from ivy.errors import (
-    CLIENT_CLOSED,
-    BodyTooLargeError,
     InternalError,
     IvyError,
+    MethodNotAllowedError,
+    NotFoundError,
     ValidationError,
-    error_body,
-    request_id,
 )
 from ivy.gateway import Gateway, Timings
-from ivy.generation_api import CHAT_ROUTE, COMPLETIONS_ROUTE, add_generation_routes
-from ivy.hot_routes import Answer, HotHandler, HotRoutes
+from ivy.generation import GenerationMetrics, GenerationService
+from ivy.generation_api import STREAM_SCHEMAS, generation_routes
+from ivy.generation_schemas import MAX_STOP_CHARS
 from ivy.metrics import Metrics
-from ivy.middleware import Authenticate, CancelOnDisconnect, RequestId
+from ivy.middleware import (
+    Authenticate,
+    CancelOnDisconnect,
+    Cors,
+    CountRequests,
+    LimitBody,
+    RequestId,
+    Trace,
+)
 from ivy.models import ServedModel
+from ivy.openapi import document
 from ivy.replicas import ReplicaPool
+from ivy.routes import Reply, Route
 from ivy.schemas import (
+    VERSION,
+    CohereEmbedRequest,
+    CohereEmbedResponse,
     EmbeddingRequest,
     EmbeddingResponse,
-    ErrorResponse,
+    Health,
     ModelList,
+    Readiness,
     RerankRequest,
     RerankResponse,
+    TeiEmbedRequest,
+    TeiInfo,
+    TeiRank,
+    TeiRankWithText,
+    TeiSimilarityRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
 from ivy.tokenization import TokenizationError
+from protos import tracing
 
-__all__ = ["create_app", "create_app_from_env"]
+__all__ = ["IvyApp", "create_app", "create_app_from_env", "error_for", "route_table"]
 
 log = logging.getLogger("ivy")
 
-_JSON = "application/json"
+_TITLE = "Trellis Ivy"
+_DESCRIPTION = "OpenAI-compatible embeddings, chat and completions; Cohere/Jina-compatible rerank."
 _ORJSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
-_ERRORS = {
-    str(status): {"model": ErrorResponse, "description": text}
-    for status, text in (
-        (400, "Invalid request"),
-        (401, "Missing or wrong API key"),
-        (404, "Unknown model"),
-        (413, "Body too large"),
-        (429, "Every replica is at capacity"),
-        (503, "No healthy replica or shutting down"),
-    )
+# A union's first failing branch says little; these name the accepted forms instead.
+_FORMS = {
+    "input": (
+        "Invalid 'input': expected a non-empty string, an array of non-empty strings, "
+        "an array of token ids or an array of arrays of token ids."
+    ),
+    "prompt": (
+        "Invalid 'prompt': expected a string, an array of strings, an array of token ids or "
+        "an array of arrays of token ids."
+    ),
+    "stop": (
+        f"Invalid 'stop': expected a string or an array of at most 4 strings, each of 1 to "
+        f"{MAX_STOP_CHARS} characters."
+    ),
 }
-# Served without an API key: probes, metrics and the API's own description.
-_PUBLIC_PATHS = (
-    "/health/live",
-    "/health/ready",
-    "/metrics",
-    "/openapi.json",
-    "/docs",
-    "/docs/oauth2-redirect",
-    "/redoc",
-)
-_ROUTES = {
-    "/v1/embeddings",
-    "/v1/rerank",
-    "/v2/rerank",
-    "/rerank",
-    "/v1/models",
-    "/tokenize",
-    "/health/live",
-    "/health/ready",
-    "/metrics",
-    CHAT_ROUTE,
-    COMPLETIONS_ROUTE,
-}
+_DOCS_PAGE = b"""<!doctype html>
+<html><head><title>Trellis Ivy</title><meta charset="utf-8">
+<link rel="stylesheet" href="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css">
+</head><body><div id="ui"></div>
+<script src="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
+<script>SwaggerUIBundle({url: "/openapi.json", dom_id: "#ui"});</script>
+</body></html>"""
 
 
-def _json(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(
-        orjson.dumps(payload, option=_ORJSON_OPTS), status, headers=headers, media_type=_JSON
-    )
+# ---- the exception map -------------------------------------------------------------------
+def error_for(exc: Exception, path: str) -> IvyError:
+    """The answer to an exception raised while serving `path`."""
+    if isinstance(exc, IvyError):
+        return exc
+    if isinstance(exc, TokenizationError):
+        return ValidationError(f"The input could not be tokenized: {exc}")
+    log.error("ivy: unexpected error on %s", path, exc_info=exc)  # the line names the request
+    return InternalError()
 
 
-def _error_response(exc: IvyError) -> Response:
-    return Response(exc.body(), exc.status, headers=exc.headers, media_type=_JSON)
-
-
-class _MetricsMiddleware:
-    """Counts requests by route and status and times them (pure ASGI: no body copies)."""
-
-    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        route = path if path in _ROUTES else "other"
-        status = 500
-        started = False
-        start = time.perf_counter()
-
-        async def send_wrapper(message: Message) -> None:
-            nonlocal status, started
-            if message["type"] == "http.response.start":
-                status, started = message["status"], True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        except asyncio.CancelledError:
-            if not started:
-                status = CLIENT_CLOSED  # the client left (`CancelOnDisconnect`)
-            raise
-        finally:
-            self.metrics.requests.labels(route=route, status=str(status)).inc()
-            self.metrics.request_seconds.labels(route=route).observe(time.perf_counter() - start)
-
-
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise BodyTooLargeError(f"The request body exceeds {max_bytes} bytes.")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise BodyTooLargeError(f"The request body exceeds {max_bytes} bytes.")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _validation_error(exc: pydantic.ValidationError) -> ValidationError:
+    errors = exc.errors(include_url=False, include_context=False, include_input=False)
+    first = errors[0]
+    param = str(first["loc"][0]) if first["loc"] else None
+    forms = _FORMS.get(param or "")
+    if forms is not None and (len(errors) > 1 or param != "input"):
+        return ValidationError(forms, param=param)
+    where = ".".join(str(p) for p in first["loc"])
+    text = first["msg"].removeprefix("Value error, ")  # a validator's own words
+    message = f"Invalid '{where}': {text}." if where else f"{text[:1].upper()}{text[1:]}."
+    return ValidationError(message, param=param)
 
 
 def _parse(body: bytes, model: type[pydantic.BaseModel]) -> Any:
@@ -168,256 +151,325 @@ def _parse(body: bytes, model: type[pydantic.BaseModel]) -> Any:
         raise _validation_error(exc) from None
 
 
-def _validation_error(exc: pydantic.ValidationError) -> ValidationError:
-    errors = exc.errors(include_url=False, include_context=False, include_input=False)
-    first = errors[0]
-    param = str(first["loc"][0]) if first["loc"] else None
-    if param == "input" and len(errors) > 1:
-        message = (
-            "Invalid 'input': expected a non-empty string, an array of non-empty strings, "
-            "an array of token ids or an array of arrays of token ids."
+# ---- the route table ---------------------------------------------------------------------
+def _timed(
+    metrics: Metrics, path: str, run: Callable[[Any, Timings], Awaitable[Any]]
+) -> Callable[[Any], Awaitable[Reply]]:
+    """A handler that times `run`'s phases into the route's histograms and the answer's
+    ``Server-Timing`` header."""
+    tokenize_seconds = metrics.tokenize_seconds.labels(route=path)
+    inference_seconds = metrics.inference_seconds.labels(route=path)
+    chunks_per_request = metrics.chunks_per_request.labels(route=path)
+
+    async def handle(req: Any) -> Reply:
+        timings = Timings()
+        body = await run(req, timings)
+        tokenize_seconds.observe(timings.tokenize_s)
+        inference_seconds.observe(timings.inference_s)
+        chunks_per_request.observe(timings.chunks)
+        return Reply(body, headers={"Server-Timing": timings.header()})
+
+    return handle
+
+
+def route_table(app: IvyApp) -> list[Route]:
+    """Every route Ivy serves; handlers reach the gateway through `app` once started."""
+    metrics = app.metrics
+
+    def gateway() -> Gateway:
+        assert app.gateway is not None, "the app serves requests only after its startup"
+        return app.gateway
+
+    async def embeddings(req: EmbeddingRequest, timings: Timings) -> EmbeddingResponse:
+        return await gateway().embeddings(req, timings)
+
+    async def rerank(
+        req: RerankRequest, timings: Timings
+    ) -> RerankResponse | list[TeiRankWithText] | list[TeiRank]:
+        return await gateway().rerank(req, timings)
+
+    async def tei_embed(req: TeiEmbedRequest, timings: Timings) -> np.ndarray:
+        return await gateway().tei_embed(req, timings)
+
+    async def cohere_embed(req: CohereEmbedRequest, timings: Timings) -> CohereEmbedResponse:
+        return await gateway().cohere_embed(req, timings)
+
+    async def tei_similarity(req: TeiSimilarityRequest, timings: Timings) -> np.ndarray:
+        return await gateway().tei_similarity(req, timings)
+
+    async def tei_info(_: None) -> Reply:
+        return Reply(gateway().tei_info())
+
+    async def tokenize(req: TokenizeRequest) -> Reply:
+        return Reply(await gateway().tokenize(req))
+
+    async def models(_: None) -> Reply:
+        return Reply(gateway().list_models())
+
+    async def live(_: None) -> Reply:
+        return Reply(Health("ok"))
+
+    async def ready(_: None) -> Reply:
+        gw = gateway()
+        ok, healthy = gw.ready()
+        status = "ready" if ok else ("draining" if gw.draining else "not_ready")
+        return Reply(Readiness(status, healthy), 200 if ok else 503)
+
+    async def prometheus(_: None) -> Reply:
+        return Reply(metrics.render(), media_type=b"text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(_: None) -> Reply:
+        return Reply(app.openapi())
+
+    async def docs(_: None) -> Reply:
+        return Reply(_DOCS_PAGE, media_type=b"text/html; charset=utf-8")
+
+    service = GenerationService(
+        gateway, GenerationMetrics.create(metrics.registry), app.config.generation_timeout_seconds
+    )
+    errors = (400, 401, 404, 413, 429, 502, 503, 504)
+    rerank_routes = [
+        Route(
+            "POST",
+            path,
+            _timed(metrics, path, rerank),
+            RerankRequest,
+            RerankResponse | list[TeiRankWithText | TeiRank],
+            "Rerank documents (Cohere v2 / Jina; TEI's shape with `texts`)",
+            errors=errors,
         )
-    else:
-        where = ".".join(str(p) for p in first["loc"])
-        message = f"Invalid '{where}': {first['msg']}." if where else f"{first['msg']}."
-    return ValidationError(message, param=param)
+        for path in ("/v1/rerank", "/v2/rerank", "/rerank")
+    ]
+    return [
+        Route(
+            "POST",
+            "/v1/embeddings",
+            _timed(metrics, "/v1/embeddings", embeddings),
+            EmbeddingRequest,
+            EmbeddingResponse,
+            "Create embeddings (OpenAI)",
+            errors=errors,
+        ),
+        *rerank_routes,
+        Route(
+            "POST",
+            "/v2/embed",
+            _timed(metrics, "/v2/embed", cohere_embed),
+            CohereEmbedRequest,
+            CohereEmbedResponse,
+            "Create embeddings of several types (Cohere v2)",
+            errors=errors,
+        ),
+        Route(
+            "POST",
+            "/embed",
+            _timed(metrics, "/embed", tei_embed),
+            TeiEmbedRequest,
+            list[list[float]],
+            "Create embeddings (Text Embeddings Inference)",
+            errors=errors,
+        ),
+        Route(
+            "POST",
+            "/similarity",
+            _timed(metrics, "/similarity", tei_similarity),
+            TeiSimilarityRequest,
+            list[float],
+            "Cosine similarity of a sentence with others (TEI)",
+            errors=errors,
+        ),
+        Route("GET", "/info", tei_info, None, TeiInfo, "Model facts (TEI)", errors=(400, 401)),
+        Route(
+            "POST",
+            "/tokenize",
+            tokenize,
+            TokenizeRequest,
+            TokenizeResponse,
+            "Token ids and character offsets",
+            errors=(400, 401, 404, 413),
+        ),
+        *generation_routes(service),
+        Route("GET", "/v1/models", models, None, ModelList, "Served models", errors=(401,)),
+        Route("GET", "/health/live", live, None, Health, "Liveness", public=True, errors=()),
+        Route(
+            "GET",
+            "/health/ready",
+            ready,
+            None,
+            Readiness,
+            "Readiness: 503 (same shape) while a model has no healthy replica or draining",
+            public=True,
+            errors=(503,),
+        ),
+        Route(
+            "GET",
+            "/metrics",
+            prometheus,
+            None,
+            None,
+            "Prometheus metrics",
+            public=True,
+            errors=(),
+            media_type="text/plain",
+        ),
+        Route(
+            "GET",
+            "/openapi.json",
+            openapi,
+            None,
+            dict[str, Any],
+            "This document",
+            public=True,
+            errors=(),
+        ),
+        Route(
+            "GET",
+            "/docs",
+            docs,
+            None,
+            None,
+            "Interactive API docs (Swagger UI)",
+            public=True,
+            errors=(),
+            media_type="text/html",
+        ),
+    ]
 
 
-def create_app(config: IvyConfig) -> FastAPI:
-    """A new app for this config; pools connect at startup and close at shutdown."""
-    metrics = Metrics.create()
-    api_keys = config.all_api_keys()
-    state: dict[str, Gateway] = {}
+# ---- the app -----------------------------------------------------------------------------
+class IvyApp:
+    """The ASGI app of one worker: lifespan (replica pools connect at startup and close at
+    shutdown) and the middleware stack around `_serve`."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    def __init__(self, config: IvyConfig) -> None:
+        self.config = config
+        self.metrics = Metrics.create()
+        self.gateway: Gateway | None = None  # set at startup
+        self.routes = route_table(self)
+        self._routes = {(r.method, r.path): r for r in self.routes}
+        self._methods: dict[str, list[str]] = {}
+        for route in self.routes:
+            self._methods.setdefault(route.path, []).append(route.method)
+        self._openapi: dict[str, Any] | None = None
+        public = [r.path for r in self.routes if r.public]
+        stack: ASGIApp = self._serve
+        stack = LimitBody(stack, config.max_body_bytes)
+        stack = CountRequests(stack, self.metrics, self._methods)
+        stack = CancelOnDisconnect(stack)
+        keys = config.all_api_keys()
+        if keys:  # layers that would only pass requests on are left out
+            stack = Authenticate(stack, keys=keys, public=public)
+        if config.cors_allow_origins:
+            stack = Cors(stack, config.cors_allow_origins)
+        if not tracing.enabled():
+            tracing.configure_from_env("ivy")  # the standard OTEL_* variables; off by default
+        if tracing.enabled():
+            stack = Trace(stack, self._methods)
+        self._stack = RequestId(stack)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await self._stack(scope, receive, send)
+
+    def openapi(self) -> dict[str, Any]:
+        if self._openapi is None:
+            self._openapi = document(
+                self.routes,
+                list(self.config.models),
+                title=_TITLE,
+                version=VERSION,
+                description=_DESCRIPTION,
+                extra_schemas=STREAM_SCHEMAS,
+            )
+        return self._openapi
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # no websockets: the server closes the connection
+        path = scope["path"]
+        route = self._routes.get((scope["method"], path))
+        try:
+            if route is None:
+                allowed = self._methods.get(path)
+                if allowed is None:
+                    raise NotFoundError(f"No route {path}.")
+                raise MethodNotAllowedError(scope["method"], allowed)
+            request = None
+            if route.request is not None:
+                request = _parse(await read_body(receive), route.request)
+            reply = await route.handler(request)
+        except Disconnected:
+            return  # nobody is left to answer
+        except Exception as exc:  # noqa: BLE001 - the exception map answers every one
+            error = error_for(exc, path)
+            await send_json(send, error.status, error.body(), error.headers)
+            return
+        if isinstance(reply, sse.Stream):
+            await sse.send_stream(send, reply)
+            return
+        body = reply.body
+        if not isinstance(body, bytes):
+            body = orjson.dumps(body, option=_ORJSON_OPTS)
+        await send_body(send, reply.status, body, reply.media_type, reply.headers)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        pools: dict[str, ReplicaPool] = {}
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    self.gateway = self._start(pools)
+                except Exception as exc:  # noqa: BLE001 - reported to the server, which exits
+                    log.exception("ivy: startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                if self.gateway is not None:
+                    self.gateway.draining = True
+                for pool in pools.values():
+                    await pool.close()
+                tracing.shutdown()  # flush the last spans
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _start(self, pools: dict[str, ReplicaPool]) -> Gateway:
+        config = self.config
         models = {
             name: ServedModel.load(name, d, config.tokenizer_word_cache)
             for name, d in config.models.items()
         }
-        pools: dict[str, ReplicaPool] = {}
         gateway = Gateway(
             models,
             pools,
-            metrics,
+            self.metrics,
             chunk_tokens=config.chunk_tokens,
             max_inputs=config.max_inputs,
             request_timeout_s=config.request_timeout_seconds,
             max_input_chars=config.max_input_chars,
             hedge_after_s=config.hedge_after_seconds,
+            auto_truncate=config.auto_truncate,
+            max_connections=config.max_connections,
         )
         for name in models:
             pool = ReplicaPool(
-                name, metrics, gateway.on_replica_info, config.health_interval_seconds
+                name, self.metrics, gateway.on_replica_info, config.health_interval_seconds
             )
             pools[name] = pool
             if name in config.replicas:
                 pool.set_addresses(config.replicas[name])
             else:
                 pool.start_dns(config.replicas_dns[name], config.dns_refresh_seconds)
-        state["gateway"] = gateway
-        app.state.ivy_gateway = gateway  # read by ivy.__main__'s server to flag draining
-        try:
-            yield
-        finally:
-            gateway.draining = True
-            for pool in pools.values():
-                await pool.close()
-
-    app = FastAPI(
-        title="Trellis Ivy",
-        version="0.1.0",
-        description="OpenAI-compatible embeddings and Cohere/Jina-compatible rerank.",
-        lifespan=lifespan,
-    )
-
-    def gateway() -> Gateway:
-        return state["gateway"]
-
-    @app.exception_handler(IvyError)
-    async def _ivy_error(request: Request, exc: IvyError) -> Response:
-        return _error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        body = error_body(str(exc.detail), kind, None, None)
-        return Response(body, exc.status_code, headers=exc.headers, media_type=_JSON)
-
-    @app.exception_handler(RequestValidationError)
-    async def _request_error(request: Request, exc: RequestValidationError) -> Response:
-        return _error_response(ValidationError(str(exc.errors()[0].get("msg", "invalid"))))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> Response:
-        log.error(
-            "ivy: unexpected error on %s (request id %s)",
-            request.url.path,
-            request_id.get(),
-            exc_info=exc,
-        )
-        return _error_response(InternalError())
-
-    hot: dict[str, HotHandler] = {}
-
-    def endpoint(
-        model: type[pydantic.BaseModel],
-        run: Callable[[Any, Timings], Awaitable[dict[str, Any]]],
-        route: str,
-    ) -> Callable[[Request], Awaitable[Response]]:
-        tokenize_seconds = metrics.tokenize_seconds.labels(route=route)
-        inference_seconds = metrics.inference_seconds.labels(route=route)
-        chunks_per_request = metrics.chunks_per_request.labels(route=route)
-
-        async def answer(body: bytes) -> Answer:
-            req = _parse(body, model)
-            timings = Timings()
-            try:
-                payload = await run(req, timings)
-            except TokenizationError as exc:
-                raise ValidationError(f"The input could not be tokenized: {exc}") from None
-            tokenize_seconds.observe(timings.tokenize_s)
-            inference_seconds.observe(timings.inference_s)
-            chunks_per_request.observe(timings.chunks)
-            return Answer(
-                200,
-                orjson.dumps(payload, option=_ORJSON_OPTS),
-                {"Server-Timing": timings.header()},
-            )
-
-        # Requests reach `answer` through `HotRoutes`; this FastAPI twin serves the same
-        # answer to in-process callers of the bare app and documents the route.
-        async def handle(request: Request) -> Response:
-            body = await _read_body(request, config.max_body_bytes)
-            result = await answer(body)
-            return Response(result.body, result.status, dict(result.headers), media_type=_JSON)
-
-        hot[route] = answer
-        return handle
-
-    def add_post(
-        path: str, handle: Callable[..., Any], req: type, resp: type, summary: str
-    ) -> None:
-        app.add_api_route(
-            path,
-            handle,
-            methods=["POST"],
-            summary=summary,
-            response_model=None,
-            responses={"200": {"model": resp, "description": "OK"}, **_ERRORS},
-            openapi_extra={"x-ivy-request-model": req.__name__},
-        )
-
-    async def run_embeddings(req: EmbeddingRequest, timings: Timings) -> dict[str, Any]:
-        return await gateway().embeddings(req, timings)
-
-    async def run_rerank(req: RerankRequest, timings: Timings) -> dict[str, Any]:
-        return await gateway().rerank(req, timings)
-
-    async def run_tokenize(req: TokenizeRequest, timings: Timings) -> dict[str, Any]:
-        return await gateway().tokenize(req)
-
-    add_post(
-        "/v1/embeddings",
-        endpoint(EmbeddingRequest, run_embeddings, "/v1/embeddings"),
-        EmbeddingRequest,
-        EmbeddingResponse,
-        "Create embeddings (OpenAI)",
-    )
-    for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
-        add_post(
-            path,
-            endpoint(RerankRequest, run_rerank, path),
-            RerankRequest,
-            RerankResponse,
-            "Rerank documents (Cohere v2 / Jina)",
-        )
-    add_post(
-        "/tokenize",
-        endpoint(TokenizeRequest, run_tokenize, "/tokenize"),
-        TokenizeRequest,
-        TokenizeResponse,
-        "Token ids and character offsets",
-    )
-
-    @app.get(
-        "/v1/models",
-        response_model=None,
-        responses={"200": {"model": ModelList, "description": "OK"}, "401": _ERRORS["401"]},
-    )
-    async def list_models() -> Response:
-        return _json(gateway().list_models())
-
-    @app.get("/health/live", response_model=None)
-    async def live() -> Response:
-        return _json({"status": "ok"})
-
-    @app.get(
-        "/health/ready",
-        response_model=None,
-        responses={"503": {"description": "Not ready"}},
-    )
-    async def ready() -> Response:
-        ok, healthy = gateway().ready()
-        status = "ready" if ok else ("draining" if gateway().draining else "not_ready")
-        return _json({"status": status, "healthy_replicas": healthy}, 200 if ok else 503)
-
-    @app.get("/metrics", response_model=None)
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    schema_models = {m.__name__: m for m in (EmbeddingRequest, RerankRequest, TokenizeRequest)}
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema is not None:
-            return app.openapi_schema
-        schema = get_openapi(
-            title=app.title, version=app.version, description=app.description, routes=app.routes
-        )
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for path_item in schema["paths"].values():
-            for operation in path_item.values():
-                name = operation.pop("x-ivy-request-model", None)
-                if name is None:
-                    continue
-                model_schema = schema_models[name].model_json_schema(
-                    ref_template="#/components/schemas/{model}"
-                )
-                for def_name, definition in model_schema.pop("$defs", {}).items():
-                    components.setdefault(def_name, definition)
-                # Only the served names are accepted (others answer 404 model_not_found).
-                model_schema["properties"]["model"]["enum"] = sorted(config.models)
-                components[name] = model_schema
-                operation["requestBody"] = {
-                    "required": True,
-                    "content": {_JSON: {"schema": {"$ref": f"#/components/schemas/{name}"}}},
-                }
-        app.openapi_schema = schema
-        return schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
-    add_generation_routes(
-        app,
-        gateway=gateway,
-        metrics=metrics,
-        read_body=lambda request: _read_body(request, config.max_body_bytes),
-        parse=_parse,
-        timeout_seconds=config.generation_timeout_seconds,
-        served_models=sorted(config.models),
-    )
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)
-    # Hot POSTs skip the rest of the stack.
-    app.add_middleware(
-        HotRoutes, handlers=hot, metrics=metrics, max_body_bytes=config.max_body_bytes
-    )
-    # Outermost: each request gets an id, then its key is checked before its body is read,
-    # and a client that leaves cancels its request.
-    app.add_middleware(CancelOnDisconnect)
-    app.add_middleware(Authenticate, keys=api_keys, public=_PUBLIC_PATHS)
-    app.add_middleware(RequestId)
-    return app
+        return gateway
 
 
-def create_app_from_env() -> FastAPI:
+def create_app(config: IvyConfig) -> IvyApp:
+    """A new app for this config (it connects to replicas at its startup)."""
+    return IvyApp(config)
+
+
+def create_app_from_env() -> IvyApp:
     """uvicorn factory for worker processes: the config travels serialized in the env."""
     return create_app(IvyConfig.from_json(os.environ[WORKER_CONFIG_ENV]))

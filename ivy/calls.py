@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from protos import tracing
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
 
@@ -130,13 +131,15 @@ class CallMux:
     async def embed(
         self, request: pb.EmbedRequest, timeout: float, admitted: bool = False
     ) -> pb.EmbedResponse:
-        call = pb.CallRequest(embed=request, admitted=admitted)
+        # The caller's span (Ivy's "inference") travels with the request: one stream
+        # carries many requests, so per-call gRPC metadata cannot (protos/tracing.py).
+        call = pb.CallRequest(embed=request, admitted=admitted, traceparent=tracing.traceparent())
         return await self._send(call, timeout)  # type: ignore[return-value]
 
     async def score(
         self, request: pb.ScoreRequest, timeout: float, admitted: bool = False
     ) -> pb.ScoreResponse:
-        call = pb.CallRequest(score=request, admitted=admitted)
+        call = pb.CallRequest(score=request, admitted=admitted, traceparent=tracing.traceparent())
         return await self._send(call, timeout)  # type: ignore[return-value]
 
     async def _send(self, request: pb.CallRequest, timeout: float) -> Answer:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ WORKER_CONFIG_ENV = "IVY_WORKER_CONFIG_JSON"
 # Added to the longest request lifetime to give SIGTERM's drain: the last response's bytes
 # and the app's shutdown (closing the replica pools) fit in it.
 SHUTDOWN_MARGIN_SECONDS = 5.0
+
+_ORIGIN = re.compile(r"^https?://[^/\s]+$")
 
 
 class ConfigError(ValueError):
@@ -81,6 +84,13 @@ class IvyConfig:
     # entries (64 bytes each) of the Rust tokenizer's word cache, one cache per encoding
     # thread; None: the tokenizer's default (65,536: 4 MiB), 0: off
     tokenizer_word_cache: int | None = None
+    # log lines as text or as one JSON object per line (both carry the request id)
+    log_format: str = "text"
+    # inputs over a model's limit are cut (instead of refused with a 400) unless a request
+    # says otherwise (`truncate`)
+    auto_truncate: bool = False
+    # browser origins allowed to call the API (CORS); "*" allows any; empty: CORS off
+    cors_allow_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -137,6 +147,13 @@ class IvyConfig:
             raise ConfigError(
                 "tokenizer-word-cache", f"must be >= 0, got {self.tokenizer_word_cache}"
             )
+        if self.log_format not in ("text", "json"):
+            raise ConfigError("log-format", f"must be text or json, got {self.log_format!r}")
+        for origin in self.cors_allow_origins:
+            if origin != "*" and not _ORIGIN.match(origin):
+                raise ConfigError(
+                    "cors-allow-origin", f"{origin!r} is not an origin (scheme://host[:port]) or *"
+                )
         if self.api_keys_file is not None and not Path(self.api_keys_file).is_file():
             raise ConfigError("api-keys-file", f"{self.api_keys_file} is not a file")
         if any(not key for key in self.api_keys):
@@ -173,6 +190,7 @@ class IvyConfig:
         raw = json.loads(text)
         raw["replicas"] = {k: tuple(v) for k, v in raw["replicas"].items()}
         raw["api_keys"] = tuple(raw["api_keys"])
+        raw["cors_allow_origins"] = tuple(raw["cors_allow_origins"])
         return cls(**raw)
 
 
@@ -220,6 +238,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="refuse to start when no API key is configured (IVY_API_KEYS, --api-keys-file)",
     )
+    parser.add_argument(
+        "--auto-truncate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="cut over-long inputs to the model's limit unless a request sets `truncate`",
+    )
     parser.add_argument("--request-timeout-seconds", type=float)
     parser.add_argument(
         "--generation-timeout-seconds", type=float, help="limit of one generation request"
@@ -243,6 +267,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="time a client has to send its request's headers, and then its body",
     )
     parser.add_argument("--health-interval-seconds", type=float)
+    parser.add_argument("--log-format", choices=("text", "json"), help="log lines (default text)")
+    parser.add_argument(
+        "--cors-allow-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="allow browser calls from this origin (repeatable; * for any); default: none",
+    )
     parser.add_argument(
         "--tokenizer-word-cache",
         type=int,
@@ -267,6 +298,7 @@ _SCALARS: dict[str, type] = {
     "read_timeout_seconds": float,
     "health_interval_seconds": float,
     "tokenizer_word_cache": int,
+    "log_format": str,
 }
 _LISTS = ("model", "replicas", "replicas_dns")
 
@@ -298,11 +330,16 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Iv
     values["replicas_dns"] = _pairs("replicas-dns", lists["replicas_dns"])
     keys = environ.get("IVY_API_KEYS", "")
     values["api_keys"] = tuple(k.strip() for k in keys.split(",") if k.strip())
-    require = getattr(args, "require_api_keys", None)
-    if require is None and "IVY_REQUIRE_API_KEYS" in environ:
-        require = _boolean("require-api-keys", environ["IVY_REQUIRE_API_KEYS"])
-    if require is not None:
-        values["require_api_keys"] = require
+    origins = getattr(args, "cors_allow_origin", None)
+    if not origins and environ.get("IVY_CORS_ALLOW_ORIGIN"):
+        origins = environ["IVY_CORS_ALLOW_ORIGIN"].split(",")
+    values["cors_allow_origins"] = tuple(o.strip() for o in origins or () if o.strip())
+    for key in ("require_api_keys", "auto_truncate"):
+        flag = getattr(args, key, None)
+        if flag is None and f"IVY_{key.upper()}" in environ:
+            flag = _boolean(key.replace("_", "-"), environ[f"IVY_{key.upper()}"])
+        if flag is not None:
+            values[key] = flag
     return IvyConfig(**values)  # type: ignore[arg-type]
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "DeadlineError",
     "InternalError",
     "IvyError",
+    "MethodNotAllowedError",
     "ModelNotFoundError",
     "NotFoundError",
     "OverloadedError",
@@ -83,6 +84,17 @@ class AuthenticationError(IvyError):
 class NotFoundError(IvyError):
     status = 404
     type = "invalid_request_error"
+
+
+class MethodNotAllowedError(IvyError):
+    status = 405
+    type = "invalid_request_error"
+
+    def __init__(self, method: str, allowed: list[str]) -> None:
+        super().__init__(
+            f"Method {method} is not allowed here; use {' or '.join(allowed)}.",
+            headers={"Allow": ", ".join(allowed)},
+        )
 
 
 class ModelNotFoundError(NotFoundError):

@@ -1,5 +1,6 @@
 """The work behind each endpoint, independent of HTTP: validate against the model,
-template, tokenize (off the event loop for big batches), route, shape the answer."""
+template, tokenize (off the event loop for big batches), route, and answer with the
+response dataclasses of `ivy.schemas`."""
 
 from __future__ import annotations
 
@@ -18,13 +19,43 @@ from ivy.metrics import Metrics
 from ivy.models import CROSS_ENCODER, EMBEDDING, ServedModel
 from ivy.replicas import Replica, ReplicaPool
 from ivy.router import Claim, Router
-from ivy.schemas import EmbeddingRequest, RerankRequest, TokenizeRequest
+from ivy.schemas import (
+    RERANK_META,
+    VERSION,
+    ApiVersion,
+    CohereBilledUnits,
+    CohereEmbedRequest,
+    CohereEmbedResponse,
+    CohereMeta,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    ModelCard,
+    ModelList,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankResultWithDocument,
+    RerankText,
+    SimilarityParameters,
+    TeiEmbedRequest,
+    TeiInfo,
+    TeiRank,
+    TeiRankWithText,
+    TeiSimilarityRequest,
+    TokenizedInput,
+    TokenizeRequest,
+    TokenizeResponse,
+    Usage,
+)
+from protos import tracing
 
 __all__ = ["Gateway", "Timings"]
 
 # Batches with more characters than this are tokenized on a worker thread.
 _INLINE_CHARS = 4096
 _DEFAULT_MAX_TOKENS_PER_DOC = 4096
+_NO_PARAMETERS = SimilarityParameters()
 # Characters per token are at most this in the served tokenizers' real-world text (a
 # token hint from characters under-counts, never over-counts, the tokens to come).
 _CHARS_PER_TOKEN_BOUND = 8
@@ -57,6 +88,8 @@ class Gateway:
         request_timeout_s: float,
         max_input_chars: int = 262_144,
         hedge_after_s: float = 2.0,
+        auto_truncate: bool = False,
+        max_connections: int = 2048,
     ) -> None:
         self.models = models
         self.pools = pools
@@ -65,8 +98,11 @@ class Gateway:
         self.max_inputs = max_inputs
         self.max_input_chars = max_input_chars
         self.request_timeout_s = request_timeout_s
+        self.auto_truncate = auto_truncate
+        self.max_connections = max_connections
         self.draining = False
         self.created = int(time.time())
+        self._leading: dict[str, int] = {}  # model -> special tokens before a text
 
     # ---- state -------------------------------------------------------------------------
     def on_replica_info(self, replica: Replica) -> None:
@@ -115,11 +151,14 @@ class Gateway:
         *,
         truncate: bool,
         max_length: int | None = None,
+        left: bool = False,
         param: str = "input",
     ) -> tuple[np.ndarray, np.ndarray]:
+        """Packed ids and lengths; over-long inputs are cut when `truncate` (from the left,
+        keeping the leading special tokens, when `left`), else refused with a 400."""
         limit = model.spec.max_input_tokens
         cut = min(limit, max_length) if max_length is not None else limit
-        trunc = cut if truncate else None
+        trunc = cut if truncate and not left else None
         chars = sum(len(t) for t in texts)
         if chars > _INLINE_CHARS:
             ids, lengths = await asyncio.to_thread(
@@ -127,88 +166,249 @@ class Gateway:
             )
         else:
             ids, lengths = model.tokenizer.encode_batch_packed(texts, True, trunc)
+        if truncate and left and lengths.size and int(lengths.max()) > cut:
+            ids, lengths = _cut_left(ids, lengths, cut, self._leading_specials(model))
         if not truncate:
             _check_lengths(lengths, limit, param)
         return ids, lengths
 
+    def _leading_specials(self, model: ServedModel) -> int:
+        """How many special tokens the tokenizer puts before a text (kept by left cuts)."""
+        count = self._leading.get(model.name)
+        if count is None:
+            bare, _ = model.tokenizer.encode_batch_packed(["a"], False, None)
+            full, _ = model.tokenizer.encode_batch_packed(["a"], True, None)
+            count = next(
+                (
+                    i
+                    for i in range(len(full) - len(bare) + 1)
+                    if np.array_equal(full[i : i + len(bare)], bare)
+                ),
+                0,
+            )
+            self._leading[model.name] = count
+        return count
+
     # ---- endpoints ---------------------------------------------------------------------
-    async def embeddings(self, req: EmbeddingRequest, timings: Timings) -> dict[str, Any]:
-        model = self.model(req.model)
-        t0 = time.perf_counter()
+    def embedder(self, name: str | None) -> ServedModel:
+        """The named model, which must produce embeddings (None: the first served one)."""
+        if name is None:
+            name = next((n for n, m in self.models.items() if m.spec.kind == EMBEDDING), "")
+            if not name:
+                raise ValidationError("No served model produces embeddings.", param="model")
+        model = self.model(name)
+        if model.spec.kind != EMBEDDING:
+            raise ValidationError(f"The model `{name}` does not produce embeddings.", param="model")
+        return model
+
+    async def embed(
+        self,
+        model: ServedModel,
+        inputs: Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        timings: Timings,
+        *,
+        prompt: str = "",
+        truncate: bool | None = None,
+        left: bool = False,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        dimensions_param: str = "dimensions",
+    ) -> tuple[np.ndarray, int]:
+        """The one embedding path of every route: [inputs, dims] float32 vectors and the
+        token count. `inputs` are texts (`prompt` goes before each), token ids or lists of
+        them; `truncate` None takes the server's default (`--auto-truncate`)."""
         spec = model.spec
-        if spec.kind != EMBEDDING:
+        if dimensions is not None and spec.dimensions and dimensions > spec.dimensions:
             raise ValidationError(
-                f"The model `{req.model}` does not produce embeddings.", param="model"
+                f"{dimensions_param} must be at most {spec.dimensions} for `{model.name}`, "
+                f"got {dimensions}.",
+                param=dimensions_param,
             )
-        if req.dimensions is not None and spec.dimensions and req.dimensions > spec.dimensions:
-            raise ValidationError(
-                f"dimensions must be at most {spec.dimensions} for `{req.model}`, "
-                f"got {req.dimensions}.",
-                param="dimensions",
-            )
-        inputs = req.input
-        if isinstance(inputs, str):
-            inputs = [inputs]
         if len(inputs) > self.max_inputs:
             raise ValidationError(
                 f"At most {self.max_inputs} inputs per request, got {len(inputs)}.", param="input"
             )
+        cut = self.auto_truncate if truncate is None else truncate
+        t0 = time.perf_counter()
         texts_in = isinstance(inputs[0], str)
-        deadline, claim = self._admit(req.model, inputs if texts_in else ())  # type: ignore[arg-type]
+        deadline, claim = self._admit(model.name, inputs if texts_in else ())  # type: ignore[arg-type]
         with claim:
-            if texts_in:
-                prompt = model.prompt_for(req.input_type)
-                texts = [prompt + t for t in inputs] if prompt else list(inputs)  # type: ignore[operator]
-                ids, lengths = await self._tokenize(model, texts, truncate=req.truncate)
-            else:
-                rows: list[list[int]] = [inputs] if isinstance(inputs[0], int) else inputs  # type: ignore[assignment,list-item]
-                ids, lengths = _pack_ids(rows, spec.vocab_size, spec.max_input_tokens, req.truncate)
+            with tracing.span("tokenize", inputs=len(inputs)):
+                if texts_in:
+                    texts = [prompt + t for t in inputs] if prompt else list(inputs)  # type: ignore[operator]
+                    ids, lengths = await self._tokenize(model, texts, truncate=cut, left=left)  # type: ignore[arg-type]
+                else:
+                    rows: list[list[int]] = [inputs] if isinstance(inputs[0], int) else inputs  # type: ignore[assignment,list-item]
+                    ids, lengths = _pack_ids(
+                        rows, spec.vocab_size, spec.max_input_tokens, cut, left
+                    )
             timings.tokenize_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             vectors, timings.chunks, timings.replica_s = await self.router.embed(
-                req.model,
+                model.name,
                 ids,
                 lengths,
-                dimensions=req.dimensions or 0,
+                dimensions=dimensions or 0,
+                normalize=normalize,
                 deadline=deadline,
                 claim=claim,
             )
             timings.inference_s = time.perf_counter() - t1
-        self.metrics.input_tokens.labels(model=req.model).inc(int(ids.size))
+        tokens = int(ids.size)
+        self.metrics.input_tokens.labels(model=model.name).inc(tokens)
+        return vectors, tokens
+
+    async def embeddings(self, req: EmbeddingRequest, timings: Timings) -> EmbeddingResponse:
+        model = self.embedder(req.model)
+        inputs = [req.input] if isinstance(req.input, str) else req.input
+        vectors, tokens = await self.embed(
+            model,
+            inputs,
+            timings,
+            prompt=model.prompt_for(req.input_type) if isinstance(inputs[0], str) else "",
+            truncate=req.truncate,
+            left=req.truncation_direction.lower() == "left",
+            dimensions=req.dimensions,
+        )
         encode = _ENCODINGS.get(req.encoding_format)
         if encode is not None:
             data = [
-                {"object": "embedding", "index": i, "embedding": base64.b64encode(row).decode()}
+                EmbeddingData(i, base64.b64encode(row).decode())
                 for i, row in enumerate(encode(vectors))
             ]
         else:
-            data = [
-                {"object": "embedding", "index": i, "embedding": row}
-                for i, row in enumerate(vectors)
-            ]
-        tokens = int(ids.size)
-        return {
-            "object": "list",
-            "data": data,
-            "model": req.model,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
+            data = [EmbeddingData(i, row) for i, row in enumerate(vectors)]  # type: ignore[arg-type]
+        return EmbeddingResponse(data, req.model, Usage(tokens, tokens))
 
-    async def rerank(self, req: RerankRequest, timings: Timings) -> dict[str, Any]:
-        model = self.model(req.model)
-        t0 = time.perf_counter()
-        self._check_chars([req.query], "query")
-        docs = [d if isinstance(d, str) else d.text for d in req.documents]
-        if len(docs) > self.max_inputs:
+    async def tei_embed(self, req: TeiEmbedRequest, timings: Timings) -> np.ndarray:
+        """TEI's /embed: one array of floats per input."""
+        model = self.embedder(req.model)
+        inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
+        prompt = ""
+        if req.prompt_name is not None and isinstance(inputs[0], str):
+            prompt = model.prompt_named(req.prompt_name)
+        vectors, _ = await self.embed(
+            model,
+            inputs,
+            timings,
+            prompt=prompt,
+            truncate=req.truncate,
+            left=req.truncation_direction.lower() == "left",
+            dimensions=req.dimensions,
+            normalize=req.normalize,
+        )
+        return vectors
+
+    async def tei_similarity(self, req: TeiSimilarityRequest, timings: Timings) -> np.ndarray:
+        """TEI's /similarity: the cosine of the source sentence with each sentence."""
+        model = self.embedder(req.model)
+        params = req.parameters or _NO_PARAMETERS
+        prompt = model.prompt_named(params.prompt_name) if params.prompt_name else ""
+        texts = [req.inputs.source_sentence, *req.inputs.sentences]
+        vectors, _ = await self.embed(
+            model,
+            texts,
+            timings,
+            prompt=prompt,
+            truncate=params.truncate,
+            left=params.truncation_direction.lower() == "left",
+        )
+        return _cosines_to_first(vectors)
+
+    async def cohere_embed(self, req: CohereEmbedRequest, timings: Timings) -> CohereEmbedResponse:
+        """Cohere's /v2/embed: the requested embedding types of each text."""
+        for param in ("images", "inputs", "max_tokens"):
+            if getattr(req, param) is not None:
+                raise ValidationError(
+                    f"'{param}' is not supported: send `texts` (cut by `truncate`).", param=param
+                )
+        model = self.embedder(req.model)
+        vectors, tokens = await self.embed(
+            model,
+            req.texts,
+            timings,
+            prompt=model.prompt_for(req.input_type),
+            truncate=req.truncate != "NONE",
+            left=req.truncate == "START",
+            dimensions=req.output_dimension,
+            dimensions_param="output_dimension",
+        )
+        kinds = dict.fromkeys(req.embedding_types)  # each once, in the order asked
+        embeddings = {kind: _COHERE_TYPES[kind](vectors) for kind in kinds}
+        meta = CohereMeta(ApiVersion("2"), CohereBilledUnits(tokens))
+        return CohereEmbedResponse(str(uuid.uuid4()), embeddings, list(req.texts), meta)
+
+    def tei_info(self) -> TeiInfo:
+        """TEI's /info, of the model /embed serves by default."""
+        model = self.embedder(None)
+        return TeiInfo(
+            model_id=model.name,
+            model_dtype="float32",
+            model_type={"embedding": {"pooling": "model default"}},
+            max_concurrent_requests=self.max_connections,
+            max_input_length=model.spec.max_input_tokens,
+            max_batch_tokens=self.router.chunk_tokens,
+            max_client_batch_size=self.max_inputs,
+            auto_truncate=self.auto_truncate,
+            tokenization_workers=1,
+            version=VERSION,
+        )
+
+    def reranker(self, name: str | None) -> ServedModel:
+        """The named model (None: the first served cross-encoder, else embedding model)."""
+        if name is None:
+            kinds = {m.spec.kind: n for n, m in reversed(self.models.items())}
+            name = kinds.get(CROSS_ENCODER) or kinds.get(EMBEDDING)
+            if name is None:
+                raise ValidationError("No served model can rerank.", param="model")
+        model = self.model(name)
+        if model.spec.kind not in (CROSS_ENCODER, EMBEDDING):
+            raise ValidationError(f"The model `{name}` cannot rerank.", param="model")
+        return model
+
+    async def rerank(
+        self, req: RerankRequest, timings: Timings
+    ) -> RerankResponse | list[TeiRankWithText] | list[TeiRank]:
+        if req.documents is None and req.texts is None:
             raise ValidationError(
-                f"At most {self.max_inputs} documents per request, got {len(docs)}.",
+                "Invalid 'documents': Field required (or `texts`, in TEI's shape).",
                 param="documents",
             )
-        deadline, claim = self._admit(req.model, docs)
-        with claim:
+        if req.documents is not None and req.texts is not None:
+            raise ValidationError(
+                "Send `documents` (Cohere, Jina) or `texts` (TEI), not both.", param="texts"
+            )
+        if req.documents is not None and req.model is None:  # Cohere's shape names it
+            raise ValidationError("Invalid 'model': Field required.", param="model")
+        model = self.reranker(req.model)
+        name = model.name
+        t0 = time.perf_counter()
+        self._check_chars([req.query], "query")
+        tei = req.texts is not None
+        param = "texts" if tei else "documents"
+        if tei:
+            docs = list(req.texts)  # type: ignore[arg-type]
+            cut = self.auto_truncate if req.truncate is None else req.truncate
+            per_doc = None
+        else:
+            docs = [d if isinstance(d, str) else d.text for d in req.documents]  # type: ignore[union-attr]
+            cut = True  # Cohere's shape fits documents to the room left
             per_doc = req.max_tokens_per_doc or _DEFAULT_MAX_TOKENS_PER_DOC
+        left = req.truncation_direction.lower() == "left"
+        if len(docs) > self.max_inputs:
+            raise ValidationError(
+                f"At most {self.max_inputs} documents per request, got {len(docs)}.", param=param
+            )
+        deadline, claim = self._admit(name, docs)
+        with claim:
             spec = model.spec
             if spec.kind == CROSS_ENCODER:
+                if left:
+                    raise ValidationError(
+                        "truncation_direction `left` is not supported for cross-encoders "
+                        "(pairs are cut at the document's end).",
+                        param="truncation_direction",
+                    )
                 # Pairs as `tokenizer(query, document)` builds them. Only documents are cut: to
                 # max_tokens_per_doc of their own tokens, and so that the pair fits the model
                 # (HF's "only_second"; the "longest_first" of sentence-transformers' CrossEncoder
@@ -224,63 +424,82 @@ class Gateway:
                         param="query",
                         code="context_length_exceeded",
                     )
-                max_len = min(spec.max_input_tokens, fixed + per_doc)
-                ids, lengths, first = await asyncio.to_thread(
-                    model.tokenizer.encode_pairs_packed, req.query, docs, max_len
-                )
+                max_len = spec.max_input_tokens
+                if per_doc is not None:
+                    max_len = min(max_len, fixed + per_doc)
+                with tracing.span("tokenize", inputs=len(docs)):
+                    ids, lengths, first = await asyncio.to_thread(
+                        model.tokenizer.encode_pairs_packed,
+                        req.query,
+                        docs,
+                        max_len if cut else None,
+                    )
+                if not cut:
+                    _check_lengths(lengths, spec.max_input_tokens, param)
                 timings.tokenize_s = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 raw, timings.chunks, timings.replica_s = await self.router.score(
-                    req.model, ids, lengths, first, deadline=deadline, claim=claim
+                    name,
+                    ids,
+                    lengths,
+                    first,
+                    deadline=deadline,
+                    claim=claim,
+                    activation=False if req.raw_scores else None,
                 )
                 timings.inference_s = time.perf_counter() - t1
                 scores = raw[:, 0] if raw.ndim == 2 else raw
                 tokens = int(ids.size)
-            elif spec.kind == EMBEDDING:
+            else:
                 texts = [spec.query_prompt + req.query] + [spec.document_prompt + d for d in docs]
                 q_ids, q_len = await self._tokenize(model, texts[:1], truncate=False, param="query")
-                # max_tokens_per_doc counts the document's own tokens, not prompt and specials.
-                _, overhead = model.tokenizer.encode_batch_packed(
-                    [spec.document_prompt], True, None
-                )
-                d_ids, d_len = await self._tokenize(
-                    model, texts[1:], truncate=True, max_length=per_doc + int(overhead[0])
-                )
+                max_length = None
+                if per_doc is not None:
+                    # max_tokens_per_doc counts the document's own tokens, not prompt and
+                    # specials.
+                    _, overhead = model.tokenizer.encode_batch_packed(
+                        [spec.document_prompt], True, None
+                    )
+                    max_length = per_doc + int(overhead[0])
+                with tracing.span("tokenize", inputs=len(docs)):
+                    d_ids, d_len = await self._tokenize(
+                        model,
+                        texts[1:],
+                        truncate=cut,
+                        max_length=max_length,
+                        left=left,
+                        param=param,
+                    )
                 ids = np.concatenate((q_ids, d_ids))
                 lengths = np.concatenate((q_len, d_len))
                 timings.tokenize_s = time.perf_counter() - t0
                 t1 = time.perf_counter()
                 vectors, timings.chunks, timings.replica_s = await self.router.embed(
-                    req.model, ids, lengths, dimensions=0, deadline=deadline, claim=claim
+                    name, ids, lengths, dimensions=0, deadline=deadline, claim=claim
                 )
                 timings.inference_s = time.perf_counter() - t1
-                norms = np.linalg.norm(vectors, axis=1)
-                norms[norms == 0] = 1.0
-                unit = vectors / norms[:, None]
-                scores = unit[1:] @ unit[0]
+                scores = _cosines_to_first(vectors)
                 tokens = int(ids.size)
-            else:
-                raise ValidationError(f"The model `{req.model}` cannot rerank.", param="model")
-        self.metrics.input_tokens.labels(model=req.model).inc(tokens)
+        self.metrics.input_tokens.labels(model=name).inc(tokens)
         order = np.argsort(-scores, kind="stable")
         if req.top_n is not None:
             order = order[: req.top_n]
-        with_docs = req.return_documents is not False
-        results = []
-        for i in order.tolist():
-            item: dict[str, Any] = {"index": i, "relevance_score": float(scores[i])}
-            if with_docs:
-                item["document"] = {"text": docs[i]}
-            results.append(item)
-        return {
-            "id": str(uuid.uuid4()),
-            "model": req.model,
-            "results": results,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            "meta": {"api_version": {"version": "2"}, "billed_units": {"search_units": 1}},
-        }
+        if tei:
+            if req.return_text:
+                return [TeiRankWithText(i, float(scores[i]), docs[i]) for i in order.tolist()]
+            return [TeiRank(i, float(scores[i])) for i in order.tolist()]
+        results: list[RerankResultWithDocument | RerankResult]
+        if req.return_documents is not False:
+            results = [
+                RerankResultWithDocument(i, float(scores[i]), RerankText(docs[i]))
+                for i in order.tolist()
+            ]
+        else:
+            results = [RerankResult(i, float(scores[i])) for i in order.tolist()]
+        usage = Usage(tokens, tokens)
+        return RerankResponse(str(uuid.uuid4()), name, results, usage, RERANK_META)
 
-    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         model = self.model(req.model)
         texts = [req.input] if isinstance(req.input, str) else list(req.input)
         if len(texts) > self.max_inputs:
@@ -296,23 +515,11 @@ class Gateway:
         chars = sum(len(t) for t in texts)
         encoded = await asyncio.to_thread(run) if chars > _INLINE_CHARS else run()
         total = sum(len(ids) for ids, _ in encoded)
-        return {
-            "model": req.model,
-            "data": [
-                {"index": i, "ids": ids, "offsets": offsets}
-                for i, (ids, offsets) in enumerate(encoded)
-            ],
-            "usage": {"prompt_tokens": total, "total_tokens": total},
-        }
+        data = [TokenizedInput(i, ids, offsets) for i, (ids, offsets) in enumerate(encoded)]
+        return TokenizeResponse(req.model, data, Usage(total, total))
 
-    def list_models(self) -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": self.created, "owned_by": "trellis"}
-                for name in self.models
-            ],
-        }
+    def list_models(self) -> ModelList:
+        return ModelList([ModelCard(name, self.created, "trellis") for name in self.models])
 
 
 def quantize_int8(vectors: np.ndarray) -> np.ndarray:
@@ -339,6 +546,43 @@ _ENCODINGS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
+def _cosines_to_first(vectors: np.ndarray) -> np.ndarray:
+    """[N, D] -> [N - 1]: the cosine of each vector after the first with the first."""
+    norms = np.linalg.norm(vectors, axis=1)
+    norms[norms == 0] = 1.0
+    unit = vectors / norms[:, None]
+    return unit[1:] @ unit[0]  # type: ignore[no-any-return]
+
+
+def _base64_rows(rows: np.ndarray) -> list[str]:
+    return [base64.b64encode(row).decode() for row in rows]
+
+
+# Cohere's embedding types -> one vector per text, as JSON writes it. The binary types are
+# sentence-transformers' `quantize_embeddings` scheme (numpy's default bit order).
+_COHERE_TYPES: dict[str, Callable[[np.ndarray], Any]] = {
+    "float": lambda v: v,
+    "int8": quantize_int8,
+    "uint8": lambda v: (quantize_int8(v).astype(np.int16) + 128).astype(np.uint8),
+    "binary": lambda v: (np.packbits(v > 0, axis=1).astype(np.int16) - 128).astype(np.int8),
+    "ubinary": lambda v: np.packbits(v > 0, axis=1),
+    "base64": lambda v: _base64_rows(v.astype("<f4", copy=False)),
+}
+
+
+def _cut_left(
+    ids: np.ndarray, lengths: np.ndarray, cut: int, leading: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows over `cut` tokens keep their first `leading` (special) tokens and their last
+    ``cut - leading``: truncation from the start of the text."""
+    starts = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)[:-1]))
+    keep = np.ones(ids.size, dtype=bool)
+    for row in np.flatnonzero(lengths > cut).tolist():
+        start, length = int(starts[row]), int(lengths[row])
+        keep[start + leading : start + length - (cut - leading)] = False
+    return ids[keep], np.minimum(lengths, cut).astype(lengths.dtype)
+
+
 def _check_lengths(lengths: np.ndarray, limit: int, param: str) -> None:
     if lengths.size and int(lengths.max()) > limit:
         index = int(np.argmax(lengths > limit))
@@ -353,10 +597,10 @@ def _check_lengths(lengths: np.ndarray, limit: int, param: str) -> None:
 
 
 def _pack_ids(
-    rows: list[list[int]], vocab_size: int, limit: int, truncate: bool
+    rows: list[list[int]], vocab_size: int, limit: int, truncate: bool, left: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
-    if truncate:
-        rows = [r[:limit] for r in rows]
+    if truncate:  # token ids carry no special tokens of ours: cut them as they are
+        rows = [r[-limit:] if left else r[:limit] for r in rows]
     lengths = np.fromiter((len(r) for r in rows), dtype=np.uint32, count=len(rows))
     if not truncate:
         _check_lengths(lengths, limit, "input")

@@ -2,11 +2,12 @@
 
 A request is checked against the model (a generator, with a chat template for chat),
 rendered and tokenized here, then sent to a replica as a streaming ``Generate`` call.
-The replica is picked like embedding chunks are (least outstanding tokens among two
-healthy replicas; a generation counts its prompt plus its token budget), and a call
-refused with UNAVAILABLE or RESOURCE_EXHAUSTED before its first message is retried once
-on another replica. After the first message nothing is retried: the client may already
-have text. Closing a `Generation` cancels its call, which makes the replica free the
+The call goes through the router's one upstream policy (`ivy.router.Router.call`): the
+replica is picked like embedding chunks are (least outstanding tokens among two healthy
+replicas; a generation counts its prompt plus its token budget), a call refused with
+UNAVAILABLE or RESOURCE_EXHAUSTED before its first message is retried once on another
+replica, and failures are translated by the same table. After the first message nothing
+is retried: the client may already have text. Closing a `Generation` cancels its call, which makes the replica free the
 sequence.
 
 Example::
@@ -20,7 +21,6 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -30,9 +30,9 @@ import grpc
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from ivy.calls import CallFailed
 from ivy.chat_template import ChatTemplateError, RenderedPrompt
 from ivy.errors import (
-    DeadlineError,
     IvyError,
     UnavailableError,
     UpstreamError,
@@ -42,8 +42,9 @@ from ivy.gateway import Gateway
 from ivy.generation_schemas import ChatCompletionRequest, CompletionRequest
 from ivy.models import GENERATOR, ServedModel
 from ivy.replicas import Replica
-from ivy.router import RETRYABLE, no_replica_error, note_refusal, translate
+from ivy.router import cancel_all, gather_or_cancel, translate
 from ivy.tokenization import TokenizationError
+from protos import tracing
 from protos.trellis.v1 import inference_pb2 as pb
 
 __all__ = [
@@ -61,7 +62,6 @@ __all__ = [
 _COMPLETIONS_MAX_TOKENS = 16
 # Rendered prompts longer than this are tokenized on a worker thread.
 _INLINE_CHARS = 4096
-_ATTEMPTS = 2
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -364,20 +364,7 @@ class GenerationService:
         On any failure the others are closed and the error is raised."""
         deadline = time.monotonic() + self.timeout_seconds
         opens = [self._open_one(prepared, ids, deadline) for ids in prepared.prompts]
-        if len(opens) == 1:
-            return [await opens[0]]
-        tasks = [asyncio.ensure_future(o) for o in opens]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        except BaseException:
-            _discard(tasks)
-            raise
-        for t in tasks:
-            error = t.exception() if t.done() and not t.cancelled() else None
-            if error is not None:
-                _discard(tasks)
-                raise error
-        return [t.result() for t in tasks]
+        return await gather_or_cancel(opens, discard=Generation.close)
 
     async def _open_one(self, prepared: Prepared, ids: np.ndarray, deadline: float) -> Generation:
         try:
@@ -387,53 +374,39 @@ class GenerationService:
             raise
 
     async def _route(self, prepared: Prepared, ids: np.ndarray, deadline: float) -> Generation:
-        """Pick a replica and start the call; retry a refusal once elsewhere."""
-        pool = self._gateway().pools[prepared.model]
+        """Start the call on a replica, under the router's one policy (a refusal is
+        retried once elsewhere, failures translated); no hedging: a generation is not
+        repeated."""
         tokens = int(ids.size) + prepared.budget
         request = pb.GenerateRequest(
             prompt_ids=ids.astype("<u4", copy=False).tobytes(), sampling=prepared.sampling
         )
-        tried: set[Replica] = set()
-        refusals: list[grpc.StatusCode] = []
-        for _attempt in range(_ATTEMPTS):
-            replica = pool.pick(exclude=tried)
-            if replica is None:
-                break
-            tried.add(replica)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise DeadlineError("The request timed out before it reached a replica.")
-            replica.acquire(tokens)
-            call = replica.stub.Generate(request, timeout=remaining)
+        traceparent = tracing.traceparent()
+        metadata = (("traceparent", traceparent),) if traceparent else None
+
+        async def start(
+            replica: Replica, timeout: float
+        ) -> tuple[grpc.aio.UnaryStreamCall, pb.GenerateResponse]:
+            call = replica.stub.Generate(request, timeout=timeout, metadata=metadata)
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:
-                code = exc.code()
-                replica.release(tokens, code.name)
-                if code in RETRYABLE:
-                    note_refusal(replica, code)
-                    refusals.append(code)
-                    self._gateway().metrics.retries.labels(
-                        model=prepared.model, reason=code.name
-                    ).inc()
-                    continue
-                raise translate(
-                    code, exc.details() or "", model=prepared.model, param=prepared.param
-                ) from None
+                raise CallFailed(exc.code(), exc.details() or "") from None
             except BaseException:
                 call.cancel()
-                replica.release(tokens, "CANCELLED")
                 raise
             if first is grpc.aio.EOF:
-                replica.release(tokens, "EOF")
                 raise UpstreamError("The replica ended the generation without an answer.")
-            self.metrics.time_to_first_token.labels(model=prepared.model).observe(
-                time.perf_counter() - prepared.started
-            )
-            return Generation(
-                call, first, replica, tokens, int(ids.size), self.metrics, prepared.param
-            )
-        raise no_replica_error(prepared.model, refusals)
+            return call, first
+
+        router = self._gateway().router
+        (call, first), replica = await router.call(
+            prepared.model, start, tokens, deadline, hedge=False, param=prepared.param, keep=True
+        )
+        self.metrics.time_to_first_token.labels(model=prepared.model).observe(
+            time.perf_counter() - prepared.started
+        )
+        return Generation(call, first, replica, tokens, int(ids.size), self.metrics, prepared.param)
 
 
 # ---- consuming generations ---------------------------------------------------------------
@@ -446,15 +419,7 @@ async def collect(generations: Sequence[Generation]) -> list[Outcome]:
         return g.outcome("".join(parts))
 
     try:
-        if len(generations) == 1:
-            return [await one(generations[0])]
-        tasks = [asyncio.ensure_future(one(g)) for g in generations]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
+        return await gather_or_cancel([one(g) for g in generations])
     finally:
         for g in generations:
             g.close()
@@ -494,10 +459,7 @@ async def merge(
                 else:
                     yield index, item
         finally:
-            for t in tasks:
-                t.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_all(tasks)
     finally:
         for g in generations:
             g.close()
@@ -581,13 +543,3 @@ async def _tokenize_prompt(model: ServedModel, prompt: RenderedPrompt) -> np.nda
         return model.tokenizer.encode_prompt(prompt.text, prompt.literals)
     except TokenizationError as exc:
         raise ValidationError(f"The input could not be tokenized: {exc}") from None
-
-
-def _discard(tasks: Sequence[asyncio.Future[Generation]]) -> None:
-    """Cancel pending opens and close the generations that did open."""
-    for t in tasks:
-        if not t.done():
-            t.cancel()
-        elif not t.cancelled() and t.exception() is None:
-            t.result().close()
-    # Opens cancelled mid-flight release their replica in their own `except` path.

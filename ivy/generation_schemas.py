@@ -1,12 +1,13 @@
 """Request and response shapes of OpenAI's chat completions and (legacy) completions.
 
 Requests are validated strictly like `ivy.schemas` (no coercion of JSON types; unknown
-fields are ignored as OpenAI does). The response models document /openapi.json; the
-handlers build the same shapes as plain dicts.
+fields are ignored as OpenAI does). Responses and stream events are dataclasses that
+orjson serializes as they are and that document /openapi.json (as in `ivy.schemas`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,14 +15,23 @@ from pydantic import BaseModel, ConfigDict, Field
 from ivy.schemas import UINT32_MAX, ErrorBody
 
 __all__ = [
+    "AssistantMessage",
+    "ChatChoice",
+    "ChatChunkChoice",
     "ChatCompletionChunk",
+    "ChatCompletionChunkWithUsage",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
     "ChatMessage",
+    "CompletionChoice",
     "CompletionChunk",
+    "CompletionChunkWithUsage",
+    "ContentDelta",
+    "EndDelta",
     "CompletionRequest",
     "CompletionResponse",
     "GenerationUsage",
+    "RoleDelta",
     "StreamError",
     "StreamOptions",
     "TextPart",
@@ -144,84 +154,124 @@ class CompletionRequest(_Sampling):
     suffix: str | None = Field(default=None, description="Not supported: null or absent.")
 
 
-class GenerationUsage(BaseModel):
+@dataclass(slots=True)
+class GenerationUsage:
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
+    @classmethod
+    def of(cls, prompt: int, completion: int) -> GenerationUsage:
+        return cls(prompt, completion, prompt + completion)
 
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+
+@dataclass(slots=True)
+class AssistantMessage:
     content: str
+    role: Literal["assistant"] = "assistant"
 
 
-class ChatChoice(BaseModel):
+@dataclass(slots=True)
+class ChatChoice:
     index: int
     message: AssistantMessage
     finish_reason: FinishReason
     logprobs: None = None
 
 
-class ChatCompletionResponse(BaseModel):
+@dataclass(slots=True)
+class ChatCompletionResponse:
+    object: Literal["chat.completion"] = field(default="chat.completion", init=False)
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
     choices: list[ChatChoice]
     usage: GenerationUsage
 
 
-class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+@dataclass(slots=True)
+class RoleDelta:
+    """The first delta of a streamed chat completion."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str = ""
 
 
-class ChatChunkChoice(BaseModel):
+@dataclass(slots=True)
+class ContentDelta:
+    content: str
+
+
+@dataclass(slots=True)
+class EndDelta:
+    """The last delta (empty; the choice's finish_reason is set)."""
+
+
+@dataclass(slots=True)
+class ChatChunkChoice:
     index: int
-    delta: ChatDelta
+    delta: RoleDelta | ContentDelta | EndDelta
     finish_reason: FinishReason | None
     logprobs: None = None
 
 
-class ChatCompletionChunk(BaseModel):
+@dataclass(slots=True)
+class ChatCompletionChunk:
     """One `data:` event of a streamed chat completion (the stream ends with `[DONE]`)."""
 
+    object: Literal["chat.completion.chunk"] = field(default="chat.completion.chunk", init=False)
     id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
+
+
+@dataclass(slots=True)
+class ChatCompletionChunkWithUsage(ChatCompletionChunk):
+    """A chunk when `stream_options.include_usage` is set: null until the last event,
+    which has no choices and the request's usage."""
+
     usage: GenerationUsage | None = None
 
 
-class CompletionChoice(BaseModel):
+@dataclass(slots=True)
+class CompletionChoice:
     index: int
     text: str
     finish_reason: FinishReason | None
     logprobs: None = None
 
 
-class CompletionResponse(BaseModel):
+@dataclass(slots=True)
+class CompletionResponse:
+    object: Literal["text_completion"] = field(default="text_completion", init=False)
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
     usage: GenerationUsage
 
 
-class CompletionChunk(BaseModel):
+@dataclass(slots=True)
+class CompletionChunk:
     """One `data:` event of a streamed completion (the stream ends with `[DONE]`)."""
 
+    object: Literal["text_completion"] = field(default="text_completion", init=False)
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     choices: list[CompletionChoice]
+
+
+@dataclass(slots=True)
+class CompletionChunkWithUsage(CompletionChunk):
+    """A chunk when `stream_options.include_usage` is set (see the chat's)."""
+
     usage: GenerationUsage | None = None
 
 
-class StreamError(BaseModel):
+@dataclass(slots=True)
+class StreamError:
     """The event a stream sends, instead of `[DONE]`, when it fails after it started."""
 
     error: ErrorBody

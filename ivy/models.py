@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ivy.chat_template import ChatTemplate
+from ivy.errors import ValidationError
 from ivy.tokenization import TextTokenizer, load_tokenizer
 from protos.trellis.v1 import inference_pb2 as pb
 
@@ -125,3 +126,14 @@ class ServedModel:
         if input_type in ("search_document", "document", "passage"):
             return self.spec.document_prompt
         return ""
+
+    def prompt_named(self, name: str) -> str:
+        """The prompt a sentence-transformers ``prompt_name`` selects (TEI's field)."""
+        if name in ("query", "search_query"):
+            return self.spec.query_prompt
+        if name in ("document", "passage", "search_document"):
+            return self.spec.document_prompt
+        raise ValidationError(
+            f"Unknown prompt_name {name!r}: this model has `query` and `document` prompts.",
+            param="prompt_name",
+        )

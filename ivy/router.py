@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -28,11 +29,14 @@ from ivy.errors import (
 )
 from ivy.metrics import Metrics
 from ivy.replicas import Replica, ReplicaPool
+from protos import tracing
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.wire import pack_token_batch, unpack_tensor
 
 __all__ = [
     "RETRYABLE",
+    "cancel_all",
+    "gather_or_cancel",
     "Chunk",
     "Claim",
     "Router",
@@ -55,6 +59,12 @@ _HEDGE_FACTOR = 4.0
 _UNMEASURED_SECONDS_PER_TOKEN = 1e-3
 # Admitted work refused for capacity is sent again after about this long.
 _REFILL_SECONDS = 0.05
+# A lone request is split over idle replicas only into chunks worth at least this much
+# replica time: a finer split costs more in round trips and batching than it saves.
+_MIN_CHUNK_SECONDS = 0.005
+# A request's `normalize` on the wire (None: the model's default).
+_T = TypeVar("_T")
+_NORMALIZE = {None: pb.NORMALIZE_DEFAULT, True: pb.NORMALIZE_ON, False: pb.NORMALIZE_OFF}
 
 
 @dataclass(frozen=True)
@@ -126,7 +136,10 @@ class Router:
         that one fails with a retryable status, once to another;
       * a replica is marked suspect only for failures it caused (its stream broke, it is
         stopping, or it stalled while another answered); a capacity refusal marks it
-        saturated instead, and a failure Ivy caused (a cancelled caller) marks nothing;
+        saturated instead, and a failure Ivy caused (a cancelled caller) marks nothing. A
+        suspect replica is avoided only while another serving one can take the chunk: with
+        every replica suspect (say two hedges won in opposite directions under load), a
+        chunk still goes to one of them rather than being answered 503;
       * a chunk still unanswered after its hedging delay (several times what such a chunk
         has taken lately, at least ``hedge_after_s``) is sent to a second replica too, the
         first answer wins and the other call is cancelled: a frozen replica delays its
@@ -174,6 +187,7 @@ class Router:
         lengths: np.ndarray,
         *,
         dimensions: int,
+        normalize: bool | None = None,
         deadline: float,
         claim: Claim,
     ) -> tuple[np.ndarray, int, float]:
@@ -185,6 +199,7 @@ class Router:
                 inputs=pack_token_batch(
                     ids[chunk.token_start : chunk.token_stop], lengths[chunk.start : chunk.stop]
                 ),
+                normalize=_NORMALIZE[normalize],
                 dimensions=dimensions,
             )
 
@@ -199,9 +214,12 @@ class Router:
         *,
         deadline: float,
         claim: Claim,
+        activation: bool | None = None,
     ) -> tuple[np.ndarray, int, float]:
         """Pair scores [pairs, num_labels] in input order, the chunk count and the
-        replicas' own time (seconds, the slowest chunk)."""
+        replicas' own time (seconds, the slowest chunk). `activation` False: raw logits;
+        None: the model's own activation (its sentence-transformers configuration)."""
+        act = pb.ACTIVATION_NONE if activation is False else pb.ACTIVATION_DEFAULT
 
         def request(chunk: Chunk) -> pb.ScoreRequest:
             return pb.ScoreRequest(
@@ -211,9 +229,32 @@ class Router:
                 first_segment_lengths=[
                     int(x) for x in first_segment_lengths[chunk.start : chunk.stop]
                 ],
+                activation=act,
             )
 
         return await self._fan_out(model, "score", lengths, request, deadline, claim)
+
+    def chunk_tokens_for(self, pool: ReplicaPool, lengths: np.ndarray) -> int:
+        """Tokens per chunk for this request: `chunk_tokens`, unless several replicas are
+        idle, in which case the request is spread evenly over them (a lone request uses
+        the whole cluster, not one replica while the others wait), in chunks worth at
+        least `_MIN_CHUNK_SECONDS` of replica time (splitting finer costs more round trips
+        than it saves). While replicas are busy nothing is split further, so concurrent
+        requests keep their first-come order."""
+        cap = self.chunk_tokens
+        if len(lengths) < 2:
+            return cap
+        idle = sum(
+            1
+            for r in pool.healthy()
+            if not r.outstanding_tokens and not r.suspect and not r.saturated
+        )
+        rate = pool.seconds_per_token()
+        if idle < 2 or rate is None:
+            return cap  # unmeasured replicas: no basis to judge what a split saves
+        total = int(lengths.sum(dtype=np.int64))
+        floor = math.ceil(_MIN_CHUNK_SECONDS / rate)
+        return max(1, min(cap, max(floor, math.ceil(total / idle))))
 
     async def _fan_out(
         self,
@@ -226,84 +267,87 @@ class Router:
     ) -> tuple[np.ndarray, int, float]:
         """Split into chunks, send them (a window at a time), and reassemble the result
         rows in input order; also the chunk count and the slowest chunk's replica time."""
-        chunks = split_chunks(lengths, self.chunk_tokens)
-        field = _RESULT_FIELD[method]
-        if len(chunks) == 1:  # the common small request: no window, no extra task
-            response = await self._call(
-                model, method, make_request(chunks[0]), chunks[0].tokens, deadline
-            )
-            timing = response.timing
-            return (
-                unpack_tensor(getattr(response, field)),
-                1,
-                (timing.queue_us + timing.inference_us) / 1e6,
-            )
-        pool = self.pools[model]
-        total = sum(c.tokens for c in chunks)
-        if not claim.tokens:  # not admitted by its size yet
-            self._check_room(model, pool, total, deadline)
-        claim.hold(total)
-        parts: list[np.ndarray | None] = [None] * len(chunks)
-        waiting = collections.deque(range(len(chunks)))
-        running: dict[asyncio.Task[Any], int] = {}
-        replica_us = 0
-        answered = 0
-        blocked = False  # a chunk was refused: send nothing new until one is answered
-        try:
-            while waiting or running:
-                window = 0 if blocked else max(1, 2 * len(pool.healthy()))
-                while waiting and len(running) < window:
-                    index = waiting.popleft()
-                    chunk = chunks[index]
-                    task = asyncio.ensure_future(
-                        self._call(
-                            model,
-                            method,
-                            make_request(chunk),
-                            chunk.tokens,
-                            deadline,
-                            admitted=answered > 0,
+        with tracing.span("inference", inputs=len(lengths)):  # its context goes with each chunk
+            chunks = split_chunks(lengths, self.chunk_tokens_for(self.pools[model], lengths))
+            field = _RESULT_FIELD[method]
+            if len(chunks) == 1:  # the common small request: no window, no extra task
+                response = await self._call(
+                    model, method, make_request(chunks[0]), chunks[0].tokens, deadline
+                )
+                timing = response.timing
+                return (
+                    unpack_tensor(getattr(response, field)),
+                    1,
+                    (timing.queue_us + timing.inference_us) / 1e6,
+                )
+            pool = self.pools[model]
+            total = sum(c.tokens for c in chunks)
+            if not claim.tokens:  # not admitted by its size yet
+                self._check_room(model, pool, total, deadline)
+            claim.hold(total)
+            parts: list[np.ndarray | None] = [None] * len(chunks)
+            waiting = collections.deque(range(len(chunks)))
+            running: dict[asyncio.Task[Any], int] = {}
+            replica_us = 0
+            answered = 0
+            blocked = False  # a chunk was refused: send nothing new until one is answered
+            try:
+                while waiting or running:
+                    window = 0 if blocked else max(1, 2 * len(pool.healthy()))
+                    while waiting and len(running) < window:
+                        index = waiting.popleft()
+                        chunk = chunks[index]
+                        task = asyncio.ensure_future(
+                            self._call(
+                                model,
+                                method,
+                                make_request(chunk),
+                                chunk.tokens,
+                                deadline,
+                                admitted=answered > 0,
+                            )
                         )
-                    )
-                    running[task] = index
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise DeadlineError("The request timed out.")
-                if running:
-                    done, _ = await asyncio.wait(
-                        running, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-                    )
-                else:
-                    # Admitted work whose remaining chunks found no room: wait a little
-                    # (the replicas' queues drain), then send them again.
-                    await asyncio.sleep(min(remaining, _REFILL_SECONDS * (0.5 + random.random())))
-                    done, blocked = set(), False
-                refused: list[int] = []
-                for task in done:
-                    index = running.pop(task)
-                    error = task.exception()
-                    if error is None:
-                        response = task.result()
-                        parts[index] = unpack_tensor(getattr(response, field))
-                        timing = response.timing
-                        replica_us = max(replica_us, timing.queue_us + timing.inference_us)
-                        answered += 1
-                        blocked = False
-                        claim.hold(claim.tokens - chunks[index].tokens)
-                    elif isinstance(error, OverloadedError):
-                        refused.append(index)
+                        running[task] = index
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise DeadlineError("The request timed out.")
+                    if running:
+                        done, _ = await asyncio.wait(
+                            running, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                        )
                     else:
-                        raise error
-                if refused:
-                    if not running and not answered:
-                        raise OverloadedError("Every replica is at capacity; retry shortly.")
-                    waiting.extendleft(sorted(refused, reverse=True))
-                    blocked = True
-        finally:
-            claim.hold(0)
-            await _cancel_all(running)
-        rows = np.concatenate(parts, axis=0)  # type: ignore[arg-type]
-        return rows, len(chunks), replica_us / 1e6
+                        # Admitted work whose remaining chunks found no room: wait a little
+                        # (the replicas' queues drain), then send them again.
+                        await asyncio.sleep(
+                            min(remaining, _REFILL_SECONDS * (0.5 + random.random()))
+                        )
+                        done, blocked = set(), False
+                    refused: list[int] = []
+                    for task in done:
+                        index = running.pop(task)
+                        error = task.exception()
+                        if error is None:
+                            response = task.result()
+                            parts[index] = unpack_tensor(getattr(response, field))
+                            timing = response.timing
+                            replica_us = max(replica_us, timing.queue_us + timing.inference_us)
+                            answered += 1
+                            blocked = False
+                            claim.hold(claim.tokens - chunks[index].tokens)
+                        elif isinstance(error, OverloadedError):
+                            refused.append(index)
+                        else:
+                            raise error
+                    if refused:
+                        if not running and not answered:
+                            raise OverloadedError("Every replica is at capacity; retry shortly.")
+                        waiting.extendleft(sorted(refused, reverse=True))
+                        blocked = True
+            finally:
+                claim.hold(0)
+                await cancel_all(running)
+            rows = np.concatenate(parts, axis=0)  # type: ignore[arg-type]
+            return rows, len(chunks), replica_us / 1e6
 
     def _check_room(self, model: str, pool: ReplicaPool, tokens: int, deadline: float) -> None:
         """Admit a request of several chunks only when the pool can finish it, with the
@@ -334,18 +378,50 @@ class Router:
         *,
         admitted: bool = False,
     ) -> pb.EmbedResponse | pb.ScoreResponse:
-        """One chunk on one replica, retried once on another, hedged when slow."""
+        """One chunk on one replica's `Calls` stream, under the one policy (`call`)."""
+
+        async def attempt(replica: Replica, timeout: float) -> pb.EmbedResponse | pb.ScoreResponse:
+            sent = time.monotonic()
+            response = await getattr(replica.calls, method)(request, timeout, admitted)
+            replica.observe(tokens, time.monotonic() - sent)
+            return response  # type: ignore[no-any-return]
+
+        response, _ = await self.call(model, attempt, tokens, deadline)
+        return response
+
+    async def call(
+        self,
+        model: str,
+        attempt: Callable[[Replica, float], Awaitable[_T]],
+        tokens: int,
+        deadline: float,
+        *,
+        hedge: bool = True,
+        param: str = "input",
+        keep: bool = False,
+    ) -> tuple[_T, Replica]:
+        """The one upstream policy, for every kind of call: `attempt(replica, seconds
+        left)` on the replica `pick` chooses; a retryable refusal (`RETRYABLE`) is noted
+        (`note_refusal`) and tried once on another replica; any other failure is
+        translated (`translate`, naming `param`); past `deadline` it is a 504. With
+        `hedge`, an attempt unanswered for `_hedge_delay` is also sent to a second
+        replica, the first answer wins and the stalled one is marked suspect. `tokens`
+        count on the replica from launch until the attempt ends, or, with `keep`, until
+        the caller releases the winner's (a stream it goes on reading). Attempts still
+        running when this returns or fails are cancelled and awaited."""
         pool = self.pools[model]
         tried: set[Replica] = set()
         refusals: list[grpc.StatusCode] = []
         attempts: dict[asyncio.Task[Any], tuple[Replica, float]] = {}
-        hedged = False
+        hedged = not hedge
 
         def launch(replica: Replica) -> None:
             tried.add(replica)
-            task = asyncio.ensure_future(
-                self._attempt(replica, method, request, tokens, deadline, admitted)
-            )
+            # Counted at once, not when the task first runs: the next chunk's `pick` (of
+            # this request too) must see this one on the replica.
+            replica.acquire(tokens)
+            task = asyncio.ensure_future(attempt(replica, max(0.0, deadline - time.monotonic())))
+            task.add_done_callback(functools.partial(_release, replica, tokens, keep))
             attempts[task] = (replica, time.monotonic())
 
         try:
@@ -382,40 +458,17 @@ class Router:
                     if error is None:
                         for slow, _ in attempts.values():
                             slow.mark_suspect()  # it stalled while another answered
-                        return task.result()  # type: ignore[no-any-return]
+                        return task.result(), replica
                     if not isinstance(error, CallFailed):
                         raise error
                     code = error.code()
                     if code not in RETRYABLE:
-                        raise translate(code, error.details(), model=model, param="input")
+                        raise translate(code, error.details(), model=model, param=param)
                     note_refusal(replica, code)
                     refusals.append(code)
                     self.metrics.retries.labels(model=model, reason=code.name).inc()
         finally:
-            await _cancel_all(attempts)
-
-    async def _attempt(
-        self,
-        replica: Replica,
-        method: str,
-        request: object,
-        tokens: int,
-        deadline: float,
-        admitted: bool,
-    ) -> pb.EmbedResponse | pb.ScoreResponse:
-        replica.acquire(tokens)
-        outcome = "CANCELLED"
-        sent = time.monotonic()
-        try:
-            response = await getattr(replica.calls, method)(request, deadline - sent, admitted)
-            outcome = "OK"
-            replica.observe(tokens, time.monotonic() - sent)
-            return response  # type: ignore[no-any-return]
-        except CallFailed as exc:
-            outcome = exc.code().name
-            raise
-        finally:
-            replica.release(tokens, outcome)
+            await cancel_all(attempts)
 
     def _hedge_delay(self, replica: Replica, tokens: int) -> float:
         """How long a chunk may go unanswered before a second replica gets it too."""
@@ -424,6 +477,25 @@ class Router:
             per_token = _UNMEASURED_SECONDS_PER_TOKEN
         expected = per_token * tokens
         return max(self.hedge_after_s, _HEDGE_FACTOR * expected)
+
+
+def _release(replica: Replica, tokens: int, keep: bool, task: asyncio.Future[Any]) -> None:
+    """Return an attempt's tokens to its replica, counting how the attempt ended (also
+    when it was cancelled before it ever ran); with `keep`, a successful attempt's tokens
+    stay with whoever goes on using the replica (it releases them)."""
+    if task.cancelled():
+        outcome = "CANCELLED"
+    else:
+        error = task.exception()
+        if error is None:
+            if keep:
+                return
+            outcome = "OK"
+        elif isinstance(error, CallFailed):
+            outcome = error.code().name
+        else:
+            outcome = "CANCELLED"
+    replica.release(tokens, outcome)
 
 
 def no_replica_error(model: str, refusals: list[grpc.StatusCode]) -> IvyError:
@@ -461,9 +533,10 @@ def translate(code: grpc.StatusCode, details: str, *, model: str, param: str) ->
     return UpstreamError("A replica failed to process the request.")
 
 
-async def _cancel_all(tasks: Iterable[asyncio.Future[Any]]) -> None:
+async def cancel_all(tasks: Iterable[asyncio.Future[Any]]) -> None:
     """Cancel every task still running and wait for them, retrieving their outcomes (no
     "exception was never retrieved" for work nobody waits for any more)."""
+    tasks = list(tasks)
     pending = [t for t in tasks if not t.done()]
     for task in pending:
         task.cancel()
@@ -472,3 +545,23 @@ async def _cancel_all(tasks: Iterable[asyncio.Future[Any]]) -> None:
     for task in tasks:
         if task.done() and not task.cancelled():
             task.exception()
+
+
+async def gather_or_cancel(
+    aws: Sequence[Awaitable[_T]], discard: Callable[[_T], None] | None = None
+) -> list[_T]:
+    """Run `aws` concurrently; their results in order. When one fails, or the caller is
+    cancelled, the others are cancelled and awaited, the results that did arrive go to
+    `discard` (to close what they opened), and the error is raised."""
+    if len(aws) == 1:
+        return [await aws[0]]
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        await cancel_all(tasks)
+        if discard is not None:
+            for task in tasks:
+                if not task.cancelled() and task.exception() is None:
+                    discard(task.result())
+        raise

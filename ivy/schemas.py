@@ -1,28 +1,56 @@
-"""Request and response shapes. Requests are parsed with orjson and validated with these
-models (strict: no coercion of JSON types); the same models document /openapi.json."""
+"""Request and response shapes of the embedding, rerank and tokenize routes.
+
+Requests are parsed with orjson and validated with the pydantic models (strict: no
+coercion of JSON types). Responses are plain dataclasses that orjson serializes as they
+are (numpy rows included), so no handler builds a dict by hand; the same classes, through
+pydantic's schema generation, document /openapi.json (`ivy.openapi`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "RERANK_META",
+    "VERSION",
+    "ApiVersion",
+    "CohereBilledUnits",
+    "CohereEmbedRequest",
+    "CohereEmbedResponse",
+    "CohereMeta",
+    "TeiEmbedRequest",
+    "TeiInfo",
+    "TeiSimilarityRequest",
+    "TeiRank",
+    "TeiRankWithText",
     "UINT32_MAX",
+    "EmbeddingData",
     "EmbeddingRequest",
     "EmbeddingResponse",
+    "ErrorBody",
     "ErrorResponse",
+    "Health",
+    "ModelCard",
     "ModelList",
+    "Readiness",
     "RerankRequest",
     "RerankResponse",
+    "RerankResult",
+    "RerankResultWithDocument",
+    "RerankText",
     "TokenizeRequest",
     "TokenizeResponse",
+    "TokenizedInput",
+    "Usage",
 ]
 
 # Numeric fields are bounded to the protobuf type that carries them to Tulip (or, for
 # fields Ivy applies itself, to the same uint32 range), so an out-of-range number is a 400
 # naming the field here, never an overflow while the gRPC request is built.
 UINT32_MAX = 2**32 - 1
+VERSION = "0.1.0"  # the API's, in /openapi.json and TEI's /info
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 # A token id travels as a little-endian uint32; ids at or over the model's vocabulary size
@@ -32,6 +60,14 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 # A count of at least one (uint32 on the wire: EmbedRequest.dimensions).
 PositiveUInt32 = Annotated[int, Field(ge=1, le=UINT32_MAX)]
 InputType = Literal["search_query", "search_document", "query", "document", "passage", "none"]
+Direction = Literal["left", "right", "Left", "Right"]
+# Text, texts, token ids or lists of token ids (OpenAI's and TEI's input forms).
+EmbedInput = (
+    NonEmptyStr
+    | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
 
 
 class _Strict(BaseModel):
@@ -41,12 +77,7 @@ class _Strict(BaseModel):
 class EmbeddingRequest(_Strict):
     """OpenAI's embeddings request, plus `input_type` (prompt selection) and `truncate`."""
 
-    input: (
-        NonEmptyStr
-        | Annotated[list[NonEmptyStr], Field(min_length=1)]
-        | TokenIds
-        | Annotated[list[TokenIds], Field(min_length=1)]
-    ) = Field(
+    input: EmbedInput = Field(
         description="Text, texts, token ids or lists of token ids (at most `--max-inputs`, default 2048)."
     )
     model: str
@@ -64,28 +95,105 @@ class EmbeddingRequest(_Strict):
         default=None,
         description="Trellis extension: apply the model's query or document prompt.",
     )
-    truncate: bool = Field(
-        default=False,
-        description="Trellis extension: cut inputs over the model's limit instead of failing.",
+    truncate: bool | None = Field(
+        default=None,
+        description="Trellis extension: cut inputs over the model's limit instead of failing "
+        "(default: the server's `--auto-truncate`).",
+    )
+    truncation_direction: Direction = Field(
+        default="right",
+        description="Trellis extension: cut from the end (right) or the start (left); "
+        "special tokens stay.",
     )
 
 
-class EmbeddingData(BaseModel):
-    object: Literal["embedding"] = "embedding"
+@dataclass(slots=True)
+class EmbeddingData:
+    object: Literal["embedding"] = field(default="embedding", init=False)
     index: int
+    # A numpy row at run time (orjson writes it as this JSON array), or base64 text.
     embedding: list[float] | str
 
 
-class Usage(BaseModel):
+@dataclass(slots=True)
+class Usage:
     prompt_tokens: int
     total_tokens: int
 
 
-class EmbeddingResponse(BaseModel):
-    object: Literal["list"] = "list"
+@dataclass(slots=True)
+class EmbeddingResponse:
+    object: Literal["list"] = field(default="list", init=False)
     data: list[EmbeddingData]
     model: str
     usage: Usage
+
+
+class TeiEmbedRequest(_Strict):
+    """Text Embeddings Inference's /embed request, as TEI 1.7.1's published OpenAPI
+    document (docs/openapi.json) defines it; errors use Ivy's one envelope and statuses."""
+
+    inputs: EmbedInput = Field(description="Text, texts, token ids or lists of token ids.")
+    normalize: bool = True
+    truncate: bool | None = Field(
+        default=None, description="Default: the server's `--auto-truncate`."
+    )
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = Field(
+        default=None, description="`query` or `document`: the model's prompt of that name."
+    )
+    dimensions: PositiveUInt32 | None = None
+    model: str | None = Field(
+        default=None,
+        description="Trellis extension: the served model (default: the first that embeds).",
+    )
+
+
+class SimilarityInput(_Strict):
+    source_sentence: NonEmptyStr
+    sentences: Annotated[list[NonEmptyStr], Field(min_length=1)]
+
+
+class SimilarityParameters(_Strict):
+    prompt_name: str | None = None
+    truncate: bool | None = None
+    truncation_direction: Direction = "Right"
+
+
+class TeiSimilarityRequest(_Strict):
+    """TEI's /similarity request (TEI 1.7.1): cosine of the source with each sentence."""
+
+    inputs: SimilarityInput
+    parameters: SimilarityParameters | None = None
+    model: str | None = Field(
+        default=None,
+        description="Trellis extension: the served model (default: the first that embeds).",
+    )
+
+
+CohereEmbeddingType = Literal["float", "int8", "uint8", "binary", "ubinary", "base64"]
+
+
+class CohereEmbedRequest(_Strict):
+    """Cohere's v2 embed request (texts only)."""
+
+    model: str
+    texts: Annotated[list[NonEmptyStr], Field(min_length=1)]
+    input_type: Literal["search_document", "search_query", "classification", "clustering"]
+    embedding_types: Annotated[list[CohereEmbeddingType], Field(min_length=1)] = Field(
+        default=["float"],
+        description="float; int8 (round(127 * x / max|x|) per vector) and uint8 (int8 + 128); "
+        "binary and ubinary (sign bits packed most significant first, as signed "
+        "(value - 128) or unsigned bytes: sentence-transformers' scheme); base64 "
+        "(little-endian float32).",
+    )
+    truncate: Literal["NONE", "START", "END"] = "END"
+    output_dimension: PositiveUInt32 | None = None
+    max_tokens: PositiveUInt32 | None = Field(
+        default=None, description="Not supported: null or absent."
+    )
+    images: list[Any] | None = Field(default=None, description="Not supported: texts only.")
+    inputs: list[Any] | None = Field(default=None, description="Not supported: texts only.")
 
 
 class RerankDocument(_Strict):
@@ -93,39 +201,111 @@ class RerankDocument(_Strict):
 
 
 class RerankRequest(_Strict):
-    """Cohere v2 and Jina rerank requests."""
+    """Cohere v2 and Jina rerank requests (`documents`), and TEI's (`texts`, TEI 1.7.1):
+    the shape of the answer follows the shape of the request. Exactly one of the two is
+    required (checked with the model, `Gateway.rerank`, so the 400 names the field)."""
 
-    model: str
+    model: str | None = Field(
+        default=None, description="Required by Cohere's shape; TEI's: the first reranker."
+    )
     query: NonEmptyStr
-    documents: Annotated[list[str | RerankDocument], Field(min_length=1)]
+    documents: Annotated[list[str | RerankDocument], Field(min_length=1)] | None = None
     top_n: PositiveUInt32 | None = None
     return_documents: bool | None = None
     max_tokens_per_doc: PositiveUInt32 | None = None
+    texts: Annotated[list[str], Field(min_length=1)] | None = Field(
+        default=None, description="TEI's shape: answered as a list of {index, score, text}."
+    )
+    raw_scores: bool = Field(default=False, description="TEI: logits instead of sigmoid.")
+    return_text: bool = Field(default=False, description="TEI: each text in its rank.")
+    truncate: bool | None = Field(
+        default=None,
+        description="TEI: cut pairs over the model's limit (default `--auto-truncate`); "
+        "Cohere's shape always fits documents (`max_tokens_per_doc`).",
+    )
+    truncation_direction: Direction = "Right"
 
 
-class RerankResult(BaseModel):
-    index: int
-    relevance_score: float
-    document: RerankDocument | None = None
-
-
-class ApiVersion(BaseModel):
+@dataclass(slots=True)
+class ApiVersion:
     version: str
 
 
-class BilledUnits(BaseModel):
+@dataclass(slots=True)
+class CohereBilledUnits:
+    input_tokens: int
+
+
+@dataclass(slots=True)
+class CohereMeta:
+    api_version: ApiVersion
+    billed_units: CohereBilledUnits
+
+
+@dataclass(slots=True)
+class CohereEmbedResponse:
+    id: str
+    # embedding type -> one vector per text (float, int8/uint8/binary/ubinary integers, or
+    # base64 text), for the requested types only
+    embeddings: dict[CohereEmbeddingType, list[list[float]] | list[list[int]] | list[str]]
+    texts: list[str]
+    meta: CohereMeta
+    response_type: Literal["embeddings_by_type"] = "embeddings_by_type"
+
+
+@dataclass(slots=True)
+class TeiInfo:
+    """TEI's /info (the fields its clients read)."""
+
+    model_id: str
+    model_dtype: str
+    model_type: dict[str, dict[str, str]]
+    max_concurrent_requests: int
+    max_input_length: int
+    max_batch_tokens: int
+    max_client_batch_size: int
+    auto_truncate: bool
+    tokenization_workers: int
+    version: str
+    model_sha: str | None = None
+
+
+@dataclass(slots=True)
+class RerankResult:
+    index: int
+    relevance_score: float
+
+
+@dataclass(slots=True)
+class RerankText:
+    text: str
+
+
+@dataclass(slots=True)
+class RerankResultWithDocument(RerankResult):
+    document: RerankText
+
+
+@dataclass(slots=True)
+class BilledUnits:
     search_units: int
 
 
-class RerankMeta(BaseModel):
+@dataclass(slots=True)
+class RerankMeta:
     api_version: ApiVersion
     billed_units: BilledUnits
 
 
-class RerankResponse(BaseModel):
+# Cohere's (and Jina's) answer: the documents come back unless `return_documents: false`.
+RERANK_META = RerankMeta(ApiVersion("2"), BilledUnits(1))
+
+
+@dataclass(slots=True)
+class RerankResponse:
     id: str
     model: str
-    results: list[RerankResult]
+    results: list[RerankResultWithDocument | RerankResult]
     usage: Usage
     meta: RerankMeta
 
@@ -136,36 +316,64 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = True
 
 
-class TokenizedInput(BaseModel):
+@dataclass(slots=True)
+class TeiRank:
+    index: int
+    score: float
+
+
+@dataclass(slots=True)
+class TeiRankWithText(TeiRank):
+    text: str
+
+
+@dataclass(slots=True)
+class TokenizedInput:
     index: int
     ids: list[int]
     offsets: list[tuple[int, int]]
 
 
-class TokenizeResponse(BaseModel):
+@dataclass(slots=True)
+class TokenizeResponse:
     model: str
     data: list[TokenizedInput]
     usage: Usage
 
 
-class ModelCard(BaseModel):
+@dataclass(slots=True)
+class ModelCard:
+    object: Literal["model"] = field(default="model", init=False)
     id: str
-    object: Literal["model"] = "model"
     created: int
     owned_by: str
 
 
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
+@dataclass(slots=True)
+class ModelList:
+    object: Literal["list"] = field(default="list", init=False)
     data: list[ModelCard]
 
 
-class ErrorBody(BaseModel):
+@dataclass(slots=True)
+class Health:
+    status: str
+
+
+@dataclass(slots=True)
+class Readiness:
+    status: Literal["ready", "draining", "not_ready"]
+    healthy_replicas: dict[str, int]
+
+
+@dataclass(slots=True)
+class ErrorBody:
     message: str
     type: str
     param: str | None
     code: str | None
 
 
-class ErrorResponse(BaseModel):
+@dataclass(slots=True)
+class ErrorResponse:
     error: ErrorBody

@@ -34,6 +34,7 @@ from uvicorn.config import STARTUP_FAILURE
 
 from ivy.config import WORKER_CONFIG_ENV, IvyConfig
 from ivy.http import READ_TIMEOUT_ATTR, TimedHttpProtocol
+from ivy.logs import log_config
 
 __all__ = ["EXIT_SECONDS", "DrainingServer", "Supervisor", "serve", "uvicorn_config"]
 
@@ -58,8 +59,8 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         app = getattr(self.config, "loaded_app", None)
-        while app is not None:
-            gateway = getattr(getattr(app, "state", None), "ivy_gateway", None)
+        while app is not None:  # uvicorn may wrap the IvyApp in its own middleware
+            gateway = getattr(app, "gateway", None)
             if gateway is not None:
                 gateway.draining = True
                 break
@@ -87,6 +88,7 @@ def uvicorn_config(config: IvyConfig, app: Any = "ivy.app:create_app_from_env") 
         port=config.port,
         workers=config.workers,
         log_level="warning",
+        log_config=log_config(config.log_format),
         access_log=False,
         timeout_graceful_shutdown=math.ceil(config.shutdown_seconds),
         http=TimedHttpProtocol,  # httptools with a read timeout for headers and body

@@ -5,23 +5,25 @@ with ``data: [DONE]\\n\\n`` (or, when the stream fails after it started, an even
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
-__all__ = ["DONE", "MEDIA_TYPE", "event", "raw_event", "response"]
+from ivy.asgi import Send
+
+__all__ = ["DONE", "MEDIA_TYPE", "Stream", "event", "raw_event", "send_stream"]
 
 MEDIA_TYPE = "text/event-stream"
 DONE = b"data: [DONE]\n\n"
 # Proxies must pass events through as they come, not buffer the response.
-_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 def event(payload: Any) -> bytes:
-    """One ``data:`` event. orjson never emits raw newlines, so one line suffices."""
+    """One ``data:`` event (a dataclass or plain JSON value). orjson never emits raw
+    newlines, so one line suffices."""
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
@@ -30,37 +32,31 @@ def raw_event(json_bytes: bytes) -> bytes:
     return b"data: " + json_bytes + b"\n\n"
 
 
-class _EventStream(StreamingResponse):
-    """A streaming response that always cleans up: when the client disconnects Starlette
-    stops iterating (possibly before the first event); then the generator is closed and
-    ``on_close`` runs, whichever way the response ended."""
+@dataclass
+class Stream:
+    """A handler's streamed answer: encoded events, extra headers, and `on_close`, which
+    runs when the stream ends, however it ends (also when the client left first)."""
 
-    def __init__(
-        self,
-        events: AsyncGenerator[bytes, None],
-        headers: dict[str, str],
-        on_close: Callable[[], None],
-    ) -> None:
-        super().__init__(events, media_type=MEDIA_TYPE, headers=headers)
-        self._events = events
-        self._on_close = on_close
+    events: AsyncGenerator[bytes, None]
+    headers: Mapping[str, str] = field(default_factory=dict)
+    on_close: Callable[[], None] = lambda: None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+
+async def send_stream(send: Send, stream: Stream) -> None:
+    """Send `stream` as a 200 ``text/event-stream`` response. A client that leaves
+    cancels the sending task (`ivy.middleware.CancelOnDisconnect`); the generator is
+    closed and `on_close` runs either way."""
+    headers = [(b"content-type", MEDIA_TYPE.encode())]
+    headers += [(k.encode(), v.encode("latin-1")) for k, v in _HEADERS.items()]
+    headers += [(k.lower().encode(), v.encode("latin-1")) for k, v in stream.headers.items()]
+    try:
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        async for chunk in stream.events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+    finally:
         try:
-            await super().__call__(scope, receive, send)
+            with contextlib.suppress(Exception):
+                await stream.events.aclose()
         finally:
-            try:
-                with contextlib.suppress(Exception):
-                    await self._events.aclose()
-            finally:
-                self._on_close()
-
-
-def response(
-    events: AsyncGenerator[bytes, None],
-    headers: dict[str, str] | None = None,
-    on_close: Callable[[], None] = lambda: None,
-) -> StreamingResponse:
-    """A streaming response of encoded events; ``on_close`` runs when it ends, also when
-    the client went away before or during the stream."""
-    return _EventStream(events, {**_HEADERS, **(headers or {})}, on_close)
+            stream.on_close()

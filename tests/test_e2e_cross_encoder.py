@@ -333,6 +333,38 @@ def test_rerank_matches_cross_encoder(
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_tei_rerank_shape_matches_cross_encoder(
+    family: str, clusters: dict[str, UpCluster], oracles: dict[str, Any]
+) -> None:
+    """TEI's /rerank (`texts`): a list of {index, score[, text]}, sigmoid scores unless
+    `raw_scores` (then the logits), over-long pairs refused unless `truncate`."""
+    cluster = clusters[family]
+    want = predict(oracles[family], QUERY, DOCS)
+    order = expected_order(want)
+    logits = np.asarray(
+        oracles[family].predict(
+            [(QUERY, d) for d in DOCS], batch_size=64, activation_fn=torch.nn.Identity()
+        ),
+        dtype=np.float64,
+    )
+    with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
+        body = {"query": QUERY, "texts": DOCS, "truncate": True, "return_text": True}
+        ranks = client.post("/rerank", json=body).json()
+        assert [r["index"] for r in ranks] == order
+        np.testing.assert_allclose([r["score"] for r in ranks], want[order], atol=ATOL)
+        assert [r["text"] for r in ranks] == [DOCS[i] for i in order]
+        raw = client.post("/rerank", json={**body, "raw_scores": True, "return_text": False})
+        raw_ranks = raw.json()
+        assert all(set(r) == {"index", "score"} for r in raw_ranks)
+        assert [r["index"] for r in raw_ranks] == order  # sigmoid keeps the order
+        np.testing.assert_allclose([r["score"] for r in raw_ranks], logits[order], atol=ATOL)
+        # Without truncate the long document is refused, naming the model's limit.
+        refused = client.post("/rerank", json={"query": QUERY, "texts": DOCS})
+        assert refused.status_code == 400, refused.text
+        assert str(POSITIONS) in refused.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_cohere_client_matches_cross_encoder(
     family: str, clusters: dict[str, UpCluster], oracles: dict[str, Any]
 ) -> None:

@@ -245,6 +245,135 @@ def test_truncate_flag(base: str, name: str, oracle) -> None:  # noqa: ANN001
     assert cosines(decode(r.json()["data"], "float"), want).min() >= COSINE
 
 
+def test_truncation_from_the_left_keeps_the_end_of_the_text(
+    base: str, name: str, oracle, model_dir: Path
+) -> None:  # noqa: ANN001
+    # Different words at each end, so a cut from the wrong side changes the vector.
+    long_text = "beginning " * 600 + "middle " * 600 + "the very end of it"
+    reference = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    reference.enable_truncation(512, direction="left")  # HF's own left truncation
+    want = oracle.embed_ids([reference.encode(long_text).ids])
+    right = oracle.ids([long_text])[0]
+    not_want = oracle.embed_ids([right[:511] + [right[-1]]])
+    with httpx.Client(base_url=base, timeout=60) as client:
+        for body, path in (
+            (
+                {
+                    "model": name,
+                    "input": long_text,
+                    "truncate": True,
+                    "truncation_direction": "left",
+                },
+                "/v1/embeddings",
+            ),
+            ({"inputs": long_text, "truncate": True, "truncation_direction": "Left"}, "/embed"),
+        ):
+            r = client.post(path, json=body)
+            assert r.status_code == 200, r.text
+            got = (
+                decode(r.json()["data"], "float")
+                if path == "/v1/embeddings"
+                else np.array(r.json(), dtype=np.float32)
+            )
+            assert cosines(got, want).min() >= COSINE
+            assert cosines(got, not_want).max() < 0.99
+        # Without truncate (and no --auto-truncate): a 400 naming the limit.
+        r = client.post("/embed", json={"inputs": long_text})
+        assert r.status_code == 400 and "512" in r.json()["error"]["message"]
+
+
+def test_tei_embed_and_info(base: str, name: str, oracle, model_dir: Path) -> None:  # noqa: ANN001
+    from rose import Engine, EngineConfig, RaggedBatch
+
+    with httpx.Client(base_url=base, timeout=60) as client:
+        # TEI clients send no model: the first embedding model serves them.
+        normalized = np.array(
+            client.post("/embed", json={"inputs": TEXTS}).json(), dtype=np.float32
+        )
+        assert cosines(normalized, oracle(TEXTS)).min() >= COSINE
+        np.testing.assert_allclose(np.linalg.norm(normalized, axis=1), 1.0, atol=1e-5)
+        raw = client.post("/embed", json={"inputs": TEXTS, "normalize": False, "model": name})
+        raw_vectors = np.array(raw.json(), dtype=np.float32)
+        engine = Engine.load(model_dir, EngineConfig(device="cpu"))
+        rows = oracle.ids(TEXTS)
+        batch = RaggedBatch.from_lists(rows, normalize=[False] * len(rows))
+        unnormalized = np.asarray(engine.step(batch).wait(), dtype=np.float32)
+        np.testing.assert_allclose(raw_vectors, unnormalized, atol=2e-4, rtol=1e-4)
+        assert np.abs(np.linalg.norm(raw_vectors, axis=1) - 1.0).min() > 1e-2
+        one = client.post(
+            "/embed", json={"inputs": TEXTS[0], "prompt_name": "query", "dimensions": 64}
+        ).json()
+        want = oracle(["query: " + TEXTS[0]])[:, :64]
+        assert len(one) == 1 and len(one[0]) == 64
+        assert cosines(np.array(one, dtype=np.float32), want).min() >= COSINE
+        bad = client.post("/embed", json={"inputs": "x", "prompt_name": "nope"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_name"
+        sims = client.post(
+            "/similarity",
+            json={
+                "inputs": {"source_sentence": TEXTS[0], "sentences": TEXTS[1:]},
+                "parameters": {"prompt_name": "query", "truncation_direction": "Right"},
+            },
+        ).json()
+        q = oracle(["query: " + t for t in TEXTS])
+        np.testing.assert_allclose(sims, cosines(q[1:], np.repeat(q[:1], 5, axis=0)), atol=1e-4)
+        info = client.get("/info").json()
+    assert info["model_id"] == name and info["max_input_length"] == 512
+    assert info["auto_truncate"] is False and info["max_client_batch_size"] == 2048
+
+
+def test_cohere_client_embed_by_type(base: str, name: str, oracle) -> None:  # noqa: ANN001
+    import cohere
+    from sentence_transformers.util.quantization import quantize_embeddings
+
+    client = cohere.ClientV2(api_key="unused", base_url=base)
+    kinds = ["float", "int8", "uint8", "binary", "ubinary", "base64"]
+    response = client.embed(
+        model=name, texts=TEXTS, input_type="search_document", embedding_types=kinds
+    )
+    want = oracle(["passage: " + t for t in TEXTS])
+    got = np.array(response.embeddings.float_, dtype=np.float32)
+    assert cosines(got, want).min() >= COSINE
+    assert response.texts == TEXTS and response.meta.billed_units.input_tokens > 0
+    # int8: each vector scaled by 127 / its largest magnitude, rounded half to even.
+    int8 = np.array(response.embeddings.int8)
+    np.testing.assert_array_equal(
+        int8, np.rint(127 * got.astype(np.float64) / np.abs(got).max(axis=1, keepdims=True))
+    )
+    np.testing.assert_array_equal(np.array(response.embeddings.uint8), int8 + 128)
+    # The binary types are sentence-transformers' scheme, checked with its own function.
+    for kind in ("binary", "ubinary"):
+        np.testing.assert_array_equal(
+            np.array(getattr(response.embeddings, kind)), quantize_embeddings(got, kind)
+        )
+    b64 = np.array(
+        [np.frombuffer(base64.b64decode(v), dtype="<f4") for v in response.embeddings.base64]
+    )
+    np.testing.assert_array_equal(b64, got)
+    query = client.embed(
+        model=name,
+        texts=TEXTS[:1],
+        input_type="search_query",
+        embedding_types=["float"],
+        output_dimension=128,
+        truncate="NONE",
+    )
+    assert (
+        cosines(
+            np.array(query.embeddings.float_, dtype=np.float32),
+            oracle(["query: " + TEXTS[0]])[:, :128],
+        ).min()
+        >= COSINE
+    )
+    assert query.embeddings.int8 is None
+    with httpx.Client(base_url=base, timeout=60) as http:
+        r = http.post(
+            "/v2/embed",
+            json={"model": name, "texts": ["a"], "input_type": "search_query", "images": ["x"]},
+        )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "images"
+
+
 def _replica_ok_chunks(metrics: str) -> dict[str, float]:
     out = {}
     for m in re.finditer(

@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 import httpx
 import numpy as np
+import openapi_spec_validator
 import pytest
 import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -69,6 +70,7 @@ class StandIn(pb_grpc.InferenceServicer):
     calls: list[int] = field(default_factory=list)  # inputs per call
     received: int = 0  # calls that reached this replica, answered or refused
     cancels: list[int] = field(default_factory=list)  # ids of `cancel` messages on Calls
+    traceparents: list[str] = field(default_factory=list)  # of the Calls requests, in order
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _refusal(self) -> tuple[grpc.StatusCode, str] | None:
@@ -140,6 +142,8 @@ class StandIn(pb_grpc.InferenceServicer):
                         with self.lock:
                             self.cancels.append(call.id)
                         continue
+                    with self.lock:
+                        self.traceparents.append(call.traceparent)
                     worker = threading.Thread(target=answer, args=(call,), daemon=True)
                     worker.start()
                     workers.append(worker)
@@ -461,8 +465,10 @@ def test_hot_routes_are_counted_like_the_others(client: httpx.Client) -> None:
     assert _count(after, "/v1/embeddings", 200) == _count(before, "/v1/embeddings", 200) + 1
     assert _count(after, "/v1/embeddings", 400) == _count(before, "/v1/embeddings", 400) + 1
     assert _count(after, "/v1/rerank", 404) == _count(before, "/v1/rerank", 404) + 1
-    # A GET on a hot path is not a hot request: FastAPI answers 405 in the same envelope.
-    assert_error(client.get("/v1/embeddings"), 405)
+    # A GET on a POST route: 405 in the same envelope, naming the method to use.
+    r = client.get("/v1/embeddings")
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"
 
 
 def test_models_tokenize_health_and_openapi(client: httpx.Client, oracle_tok: Tokenizer) -> None:
@@ -555,33 +561,168 @@ def test_api_keys(model_dir: Path, replicas: list[tuple[StandIn, str]]) -> None:
         thread.join(10)
 
 
+def test_openapi_is_the_route_table(
+    client: httpx.Client, model_dir: Path, replicas: list[tuple[StandIn, str]]
+) -> None:
+    """/openapi.json is valid OpenAPI, and documents exactly the routes the app serves:
+    each route's method, request model (with the served names) and 200 shape."""
+    spec = client.get("/openapi.json").json()
+    openapi_spec_validator.validate(spec)
+    config = IvyConfig(models={"fake": str(model_dir)}, replicas={"fake": (replicas[0][1],)})
+    table = create_app(config).routes
+    documented = {(m.upper(), p) for p, item in spec["paths"].items() for m in item}
+    assert documented == {(r.method, r.path) for r in table}
+    schemas = spec["components"]["schemas"]
+    for route in table:
+        op = spec["paths"][route.path][route.method.lower()]
+        if route.request is not None:
+            ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.endswith("/" + route.request.__name__)
+            served = schemas[route.request.__name__]["properties"]["model"]["enum"]
+            assert served in (["fake"], ["fake", None])
+        else:
+            assert "requestBody" not in op
+        if isinstance(route.response, type) and route.path != "/openapi.json":
+            ok = op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"]
+            assert ok.endswith("/" + route.response.__name__)
+        # Each route is served: an unknown method answers 405, never 404.
+        wrong = "PUT"
+        assert_error(client.request(wrong, route.path), 405)
+    assert {"security": [{"bearer": []}, {}]}.items() <= spec["paths"]["/v1/models"]["get"].items()
+    assert "security" not in spec["paths"]["/health/ready"]["get"]
+    assert client.get("/docs").headers["content-type"].startswith("text/html")
+
+
+def test_ivy_runs_on_no_web_framework() -> None:
+    """One pipeline: no FastAPI/Starlette twin app is imported by the served app."""
+    code = "import sys, ivy.app, ivy.serve; print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'starlette')))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "[]"
+
+
+def test_cors_is_off_by_default_and_answers_allowed_origins(
+    client: httpx.Client, model_dir: Path, replicas: list[tuple[StandIn, str]]
+) -> None:
+    origin = {"Origin": "https://app.example"}
+    body = {"input": "w1", "model": "fake"}
+    r = client.post("/v1/embeddings", json=body, headers=origin)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    config = IvyConfig(
+        port=free_port(),
+        models={"fake": str(model_dir)},
+        replicas={"fake": tuple(a for _, a in replicas)},
+        cors_allow_origins=("https://app.example",),
+        api_keys=("k",),
+    )
+    server, thread, base = _serve(config)
+    try:
+        preflight = {
+            **origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type",
+        }
+        # Preflights carry no key: answered before authentication.
+        r = httpx.options(f"{base}/v1/embeddings", headers=preflight)
+        assert r.status_code == 204, r.text
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert r.headers["access-control-allow-headers"] == "authorization, content-type"
+        auth = {"Authorization": "Bearer k"}
+        r = httpx.post(f"{base}/v1/embeddings", json=body, headers={**origin, **auth})
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+        # A refusal still names the origin, so the browser shows the error to the page.
+        r = httpx.post(f"{base}/v1/embeddings", json=body, headers=origin)
+        assert r.status_code == 401
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        other = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+        r = httpx.options(f"{base}/v1/embeddings", headers=other)
+        assert "access-control-allow-origin" not in r.headers
+        assert r.status_code == 401  # not a preflight of ours: treated as any request
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_traces_continue_the_clients_traceparent_down_to_the_replica(
+    model_dir: Path, replicas: list[tuple[StandIn, str]]
+) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from protos import tracing
+
+    exporter = InMemorySpanExporter()
+    tracing.configure("ivy", exporter, batch=False)
+    try:
+        with ivy_with(model_dir, replicas) as base:
+            for servicer, _ in replicas:
+                servicer.traceparents.clear()
+            trace_id, client_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+            r = httpx.post(
+                f"{base}/v1/embeddings",
+                json={"input": ["w1 w2", "w3"], "model": "fake"},
+                headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
+            )
+            assert r.status_code == 200, r.text
+            untraced = httpx.post(f"{base}/v1/embeddings", json={"input": "w1", "model": "fake"})
+            assert untraced.status_code == 200
+    finally:
+        tracing.shutdown()
+    spans = [s for s in exporter.get_finished_spans() if f"{s.context.trace_id:032x}" == trace_id]
+    by_name = {s.name: s for s in spans}
+    assert set(by_name) == {"POST /v1/embeddings", "tokenize", "inference"}, by_name
+    server = by_name["POST /v1/embeddings"]
+    assert f"{server.parent.span_id:016x}" == client_span
+    assert server.attributes["http.response.status_code"] == 200
+    for child in ("tokenize", "inference"):
+        assert by_name[child].parent.span_id == server.context.span_id
+    # The replica got the inference span's context on the Calls stream; the untraced
+    # request started a trace of its own.
+    sent = [t for servicer, _ in replicas for t in servicer.traceparents]
+    inference = by_name["inference"].context
+    assert f"00-{trace_id}-{inference.span_id:016x}-01" in sent
+    assert len(sent) == 2 and all(t.startswith("00-") for t in sent)
+    assert len({t.split("-")[1] for t in sent}) == 2
+
+
 def test_schemathesis_finds_no_server_error(ivy: str, tmp_path: Path) -> None:
     assert_no_server_error(ivy, tmp_path, max_examples=40, seed=7, timeout=300)
 
 
-def test_python_m_ivy_with_two_workers_serves_and_stops_on_sigterm(
-    model_dir: Path, replicas: list[tuple[StandIn, str]], oracle_tok: Tokenizer
-) -> None:
+def python_m_ivy(
+    model_dir: Path, replicas: list[tuple[StandIn, str]], *flags: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m ivy` with `flags` on a free port, once ready; its output is piped."""
     port = free_port()
     env = dict(os.environ, IVY_REPLICAS="fake=" + ",".join(a for _, a in replicas))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ivy", "--port", str(port), "--workers", "2"]
+        [sys.executable, "-m", "ivy", "--port", str(port), *flags]
         + ["--model", f"fake={model_dir}"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
+        try:
+            if httpx.get(f"{base}/health/ready", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    return proc, base
+
+
+def test_python_m_ivy_with_two_workers_serves_and_stops_on_sigterm(
+    model_dir: Path, replicas: list[tuple[StandIn, str]], oracle_tok: Tokenizer
+) -> None:
+    proc, base = python_m_ivy(model_dir, replicas, "--workers", "2")
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read().decode()  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{base}/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
         with httpx.Client(base_url=base, timeout=30) as client:
             for i in range(20):
                 r = client.post("/v1/embeddings", json={"input": words(i), "model": "fake"})
@@ -592,6 +733,32 @@ def test_python_m_ivy_with_two_workers_serves_and_stops_on_sigterm(
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(30)
     assert code == 0, proc.stdout.read().decode()  # type: ignore[union-attr]
+
+
+def test_json_logs_name_the_request(model_dir: Path, replicas: list[tuple[StandIn, str]]) -> None:
+    """`--log-format json`: one JSON object per line, carrying the request's id."""
+    proc, base = python_m_ivy(model_dir, replicas, "--log-format", "json")
+    try:
+        for servicer, _ in replicas:
+            servicer.mode = "broken"
+        try:
+            r = httpx.post(
+                f"{base}/v1/embeddings",
+                json={"input": "w1", "model": "fake"},
+                headers={"X-Request-Id": "json-log-1"},
+            )
+        finally:
+            for servicer, _ in replicas:
+                servicer.mode = "ok"
+        assert r.status_code == 502
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    lines = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+    failed = [e for e in lines if "failed a call" in e["message"]]
+    assert failed, out.decode()
+    assert all(e["request_id"] == "json-log-1" and e["level"] == "WARNING" for e in failed)
+    assert all({"time", "level", "logger", "message"} <= set(e) for e in lines)
 
 
 def test_replicas_from_dns_name(

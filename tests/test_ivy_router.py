@@ -243,3 +243,33 @@ def test_ivy_and_tulip_agree_on_grpc_keepalive() -> None:
     # Both ends accept the largest message the other may send.
     for key in ("grpc.max_receive_message_length", "grpc.max_send_message_length"):
         assert client[key] == server[key] == grpc_options.MAX_MESSAGE_BYTES
+
+
+def test_a_lone_request_is_spread_over_the_idle_replicas() -> None:
+    async def scenario(pool: ReplicaPool, router: Router, replicas: list[Replica]) -> None:
+        router.chunk_tokens = 8192  # the default: one chunk would hold the whole request
+        a, b = replicas
+        # Unmeasured replicas: no basis for a split, one chunk.
+        rows = await embed_rows(router, 4, 100)
+        assert rows.shape == (4, DIMS)
+        assert a.calls.sent + b.calls.sent == 1  # type: ignore[attr-defined]
+        for replica in replicas:
+            replica.observe(1000, 0.1)  # 0.1 ms per token: 400 tokens are 40 ms of work
+            replica.calls.sent = 0  # type: ignore[attr-defined]
+        # Both idle: two chunks of 200 tokens, one on each, rows back in input order.
+        rows = await embed_rows(router, 4, 100)
+        assert (a.calls.sent, b.calls.sent) == (1, 1)  # type: ignore[attr-defined]
+        assert sorted(rows[:, 0].tolist()) == [1.0, 1.0, 2.0, 2.0]
+        assert rows[0, 0] == rows[1, 0] and rows[2, 0] == rows[3, 0]
+        # Never finer than 5 ms of work per chunk: 4 x 10 tokens (4 ms) stay together.
+        a.calls.sent = b.calls.sent = 0  # type: ignore[attr-defined]
+        await embed_rows(router, 4, 10)
+        assert a.calls.sent + b.calls.sent == 1  # type: ignore[attr-defined]
+        # One replica busy with other work: no split, the request goes whole (FIFO).
+        b.acquire(500)
+        a.calls.sent = b.calls.sent = 0  # type: ignore[attr-defined]
+        await embed_rows(router, 4, 100)
+        assert (a.calls.sent, b.calls.sent) == (1, 0)  # type: ignore[attr-defined]
+        b.release(500, "OK")
+
+    run(scenario)

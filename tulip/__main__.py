@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 
+from protos import tracing
 from tulip.config import ConfigError, TulipConfig
 from tulip.server import serve
 
@@ -18,7 +19,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"tulip: {error}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(config))
+    tracing.configure_from_env("tulip", os.environ)  # OTEL_* variables; off by default
+    try:
+        return asyncio.run(serve(config))
+    finally:
+        tracing.shutdown()  # flush the last spans
 
 
 if __name__ == "__main__":

@@ -39,11 +39,19 @@ class CallHandler(Protocol):
     """The unary handlers' work, without their gRPC context (`InferenceService`)."""
 
     async def embed(
-        self, request: pb.EmbedRequest, deadline: float | None, admitted: bool = False
+        self,
+        request: pb.EmbedRequest,
+        deadline: float | None,
+        admitted: bool = False,
+        traceparent: str = "",
     ) -> pb.EmbedResponse: ...
 
     async def score(
-        self, request: pb.ScoreRequest, deadline: float | None, admitted: bool = False
+        self,
+        request: pb.ScoreRequest,
+        deadline: float | None,
+        admitted: bool = False,
+        traceparent: str = "",
     ) -> pb.ScoreResponse: ...
 
 
@@ -74,13 +82,13 @@ async def serve_calls(
         deadline = time.monotonic() + call.timeout_ms / 1e3 if call.timeout_ms else None
         try:
             if kind == "embed":
-                response = pb.CallResponse(
-                    id=call.id, embed=await handler.embed(call.embed, deadline, call.admitted)
+                embedded = await handler.embed(
+                    call.embed, deadline, call.admitted, call.traceparent
                 )
+                response = pb.CallResponse(id=call.id, embed=embedded)
             else:
-                response = pb.CallResponse(
-                    id=call.id, score=await handler.score(call.score, deadline, call.admitted)
-                )
+                scored = await handler.score(call.score, deadline, call.admitted, call.traceparent)
+                response = pb.CallResponse(id=call.id, score=scored)
             status = "OK"
         except TulipError as error:
             code = status_code(error)

@@ -16,6 +16,7 @@ from typing import Protocol, TypeVar
 import grpc
 import numpy as np
 
+from protos import tracing
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
 from protos.wire import pack_tensor
@@ -91,12 +92,20 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def Embed(
         self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> pb.EmbedResponse:
-        return await self._answer("Embed", context, lambda: self.embed(request, _deadline(context)))
+        return await self._answer(
+            "Embed",
+            context,
+            lambda: self.embed(request, _deadline(context), traceparent=_traceparent(context)),
+        )
 
     async def Score(
         self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.ScoreResponse:
-        return await self._answer("Score", context, lambda: self.score(request, _deadline(context)))
+        return await self._answer(
+            "Score",
+            context,
+            lambda: self.score(request, _deadline(context), traceparent=_traceparent(context)),
+        )
 
     async def Info(
         self, request: pb.InfoRequest, context: grpc.aio.ServicerContext
@@ -114,14 +123,19 @@ class InferenceService(pb_grpc.InferenceServicer):
         await serve_calls(self, requests, context, self._metrics)
 
     async def embed(
-        self, request: pb.EmbedRequest, deadline: float | None, admitted: bool = False
+        self,
+        request: pb.EmbedRequest,
+        deadline: float | None,
+        admitted: bool = False,
+        traceparent: str = "",
     ) -> pb.EmbedResponse:
         """One Embed call's answer (`deadline`: a `time.monotonic()` instant or None;
-        `admitted`: part of work already admitted, see `Scheduler.submit`); failures raise
-        `TulipError`."""
+        `admitted`: part of work already admitted, see `Scheduler.submit`; `traceparent`:
+        the caller's span, see `protos.tracing`); failures raise `TulipError`."""
         model, scheduler = self._ready()
         work, options = embed_work(request, model.served.limits)
         result = await scheduler.submit(work, deadline, admitted=admitted)
+        _record_spans(traceparent, result.queue_us, result.inference_us, work.tokens)
         rows = model.shape_embeddings(result.rows, options.dimensions, options.normalize)
         return pb.EmbedResponse(
             embeddings=pack_tensor(rows, options.dtype),
@@ -130,12 +144,17 @@ class InferenceService(pb_grpc.InferenceServicer):
         )
 
     async def score(
-        self, request: pb.ScoreRequest, deadline: float | None, admitted: bool = False
+        self,
+        request: pb.ScoreRequest,
+        deadline: float | None,
+        admitted: bool = False,
+        traceparent: str = "",
     ) -> pb.ScoreResponse:
         """One Score call's answer; failures raise `TulipError`."""
         model, scheduler = self._ready()
         work, activation = score_work(request, model.served.limits)
         result = await scheduler.submit(work, deadline, admitted=admitted)
+        _record_spans(traceparent, result.queue_us, result.inference_us, work.tokens)
         scores = model.activate(result.rows, activation)
         return pb.ScoreResponse(
             scores=pack_tensor(scores, pb.DTYPE_FLOAT32),
@@ -150,9 +169,10 @@ class InferenceService(pb_grpc.InferenceServicer):
         stream: GenerationStreamLike | None = None
         try:
             generator = self._generator_ready()
-            stream = generator.submit(generate_work(request, generator.served.limits))
-            async for response in stream:
-                yield response
+            with tracing.server_span("generate", _traceparent(context)):
+                stream = generator.submit(generate_work(request, generator.served.limits))
+                async for response in stream:
+                    yield response
         except TulipError as error:
             code = status_code(error)
             self._metrics.requests.labels(method=method, status=code.name).inc()
@@ -210,6 +230,25 @@ class InferenceService(pb_grpc.InferenceServicer):
             raise
         self._metrics.requests.labels(method=method, status="OK").inc()
         return response
+
+
+def _traceparent(context: grpc.aio.ServicerContext) -> str:
+    if not tracing.enabled():
+        return ""
+    for key, value in context.invocation_metadata() or ():
+        if key == "traceparent":
+            return str(value)
+    return ""
+
+
+def _record_spans(traceparent: str, queue_us: int, inference_us: int, tokens: int) -> None:
+    """The request's ``queue`` and ``inference`` spans, ending now, under the caller's."""
+    if not traceparent or not tracing.enabled():
+        return
+    end = time.time_ns()
+    start = end - inference_us * 1000
+    tracing.record("queue", traceparent, start - queue_us * 1000, start)
+    tracing.record("inference", traceparent, start, end, tokens=tokens)
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:

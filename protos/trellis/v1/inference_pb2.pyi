@@ -64,20 +64,22 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 
 class CallRequest(_message.Message):
-    __slots__ = ("id", "timeout_ms", "embed", "score", "cancel", "admitted")
+    __slots__ = ("id", "timeout_ms", "embed", "score", "cancel", "admitted", "traceparent")
     ID_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     EMBED_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     id: int
     timeout_ms: int
     embed: EmbedRequest
     score: ScoreRequest
     cancel: bool
     admitted: bool
-    def __init__(self, id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., embed: _Optional[_Union[EmbedRequest, _Mapping]] = ..., score: _Optional[_Union[ScoreRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., admitted: _Optional[bool] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, id: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., embed: _Optional[_Union[EmbedRequest, _Mapping]] = ..., score: _Optional[_Union[ScoreRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., admitted: _Optional[bool] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class CallResponse(_message.Message):
     __slots__ = ("id", "embed", "score", "error")
