@@ -70,8 +70,11 @@ from ivy.schemas import (
     Readiness,
     RerankRequest,
     RerankResponse,
+    TeiDecodeRequest,
     TeiEmbedRequest,
     TeiInfo,
+    TeiPrediction,
+    TeiPredictRequest,
     TeiRank,
     TeiRankWithText,
     TeiSimilarityRequest,
@@ -197,6 +200,14 @@ def route_table(app: IvyApp) -> list[Route]:
     async def tei_similarity(req: TeiSimilarityRequest, timings: Timings) -> np.ndarray:
         return await gateway().tei_similarity(req, timings)
 
+    async def tei_predict(
+        req: TeiPredictRequest, timings: Timings
+    ) -> list[TeiPrediction] | list[list[TeiPrediction]]:
+        return await gateway().tei_predict(req, timings)
+
+    async def tei_decode(req: TeiDecodeRequest) -> Reply:
+        return Reply(gateway().tei_decode(req))
+
     async def tei_info(_: None) -> Reply:
         return Reply(gateway().tei_info())
 
@@ -277,6 +288,24 @@ def route_table(app: IvyApp) -> list[Route]:
             list[float],
             "Cosine similarity of a sentence with others (TEI)",
             errors=errors,
+        ),
+        Route(
+            "POST",
+            "/predict",
+            _timed(metrics, "/predict", tei_predict),
+            TeiPredictRequest,
+            list[TeiPrediction] | list[list[TeiPrediction]],
+            "Classify texts or pairs (TEI)",
+            errors=errors,
+        ),
+        Route(
+            "POST",
+            "/decode",
+            tei_decode,
+            TeiDecodeRequest,
+            list[str],
+            "Token ids back to text (TEI)",
+            errors=(400, 401, 404, 413),
         ),
         Route("GET", "/info", tei_info, None, TeiInfo, "Model facts (TEI)", errors=(400, 401)),
         Route(

@@ -1,6 +1,6 @@
 """`trellis up`: a local cluster of Tulip replicas behind one Ivy gateway.
 
-Pulls the model if needed, divides this machine's cores between the replicas, starts
+Pulls the model if needed, gives each replica every core (see `ClusterConfig`), starts
 every process, waits until Ivy reports ready, prints example requests, and on Ctrl-C or
 SIGTERM drains and stops everything (Ivy first so no new work arrives, then replicas).
 """
@@ -35,7 +35,11 @@ class ClusterConfig:
     replicas: int = 2
     host: str = "127.0.0.1"
     port: int = 8000
-    threads_per_replica: int = 0  # 0: divide the cores between replicas
+    # 0: every core for each replica. Measured on the 2-core machine (bench/results/
+    # serving.md): a lone request then runs on the whole machine (batch-1 latency of one
+    # process), while concurrent requests on both replicas share the cores as well as
+    # dividing them does (throughput, 16 clients); dividing them halves the lone request's.
+    threads_per_replica: int = 0
     ivy_workers: int = 1
     chunk_tokens: int = 8192
     ready_timeout_seconds: float = 600.0
@@ -61,7 +65,7 @@ class ClusterConfig:
         if self.threads_per_replica:
             return self.threads_per_replica
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return max(1, (cores or 1) // self.replicas)
+        return max(1, cores or 1)
 
 
 def resolve_model(model: str) -> tuple[str, Path]:
@@ -341,12 +345,19 @@ def run(config: ClusterConfig) -> int:
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("up", help="start a local cluster (Tulip replicas + Ivy)")
     parser.add_argument("--model", default=_DEFAULT_MODEL, help="asset name or HF model directory")
-    parser.add_argument("--replicas", type=int, default=2, help="Tulip processes (default 2)")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=ClusterConfig.replicas,
+        help=f"Tulip processes (default {ClusterConfig.replicas})",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="Ivy's listen address")
     parser.add_argument("--port", type=int, default=8000, help="Ivy's port (default 8000)")
-    parser.add_argument("--threads-per-replica", type=int, default=0, help="0: cores / replicas")
+    parser.add_argument(
+        "--threads-per-replica", type=int, default=0, help="0: every core (default)"
+    )
     parser.add_argument("--ivy-workers", type=int, default=1)
-    parser.add_argument("--chunk-tokens", type=int, default=8192)
+    parser.add_argument("--chunk-tokens", type=int, default=ClusterConfig.chunk_tokens)
     parser.set_defaults(handler=main)
 
 

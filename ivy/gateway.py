@@ -38,8 +38,11 @@ from ivy.schemas import (
     RerankResultWithDocument,
     RerankText,
     SimilarityParameters,
+    TeiDecodeRequest,
     TeiEmbedRequest,
     TeiInfo,
+    TeiPrediction,
+    TeiPredictRequest,
     TeiRank,
     TeiRankWithText,
     TeiSimilarityRequest,
@@ -337,6 +340,89 @@ class Gateway:
         embeddings = {kind: _COHERE_TYPES[kind](vectors) for kind in kinds}
         meta = CohereMeta(ApiVersion("2"), CohereBilledUnits(tokens))
         return CohereEmbedResponse(str(uuid.uuid4()), embeddings, list(req.texts), meta)
+
+    async def tei_predict(
+        self, req: TeiPredictRequest, timings: Timings
+    ) -> list[TeiPrediction] | list[list[TeiPrediction]]:
+        """TEI's /predict: each input's labels by score, highest first (probabilities:
+        sigmoid for one label, softmax over several; logits with `raw_scores`)."""
+        if req.model is None:
+            name = next((n for n, m in self.models.items() if m.spec.kind == CROSS_ENCODER), "")
+            if not name:
+                raise ValidationError("No served model classifies text.", param="model")
+        else:
+            name = req.model
+        model = self.model(name)
+        if model.spec.kind != CROSS_ENCODER:
+            raise ValidationError(f"The model `{name}` does not classify text.", param="model")
+        if req.truncation_direction.lower() == "left":
+            raise ValidationError(
+                "truncation_direction `left` is not supported for classifiers.",
+                param="truncation_direction",
+            )
+        batch = isinstance(req.inputs, list) and isinstance(req.inputs[0], list)
+        items: list[list[str]] = (
+            req.inputs if batch else [[req.inputs] if isinstance(req.inputs, str) else req.inputs]  # type: ignore[assignment,list-item]
+        )
+        if len(items) > self.max_inputs:
+            raise ValidationError(
+                f"At most {self.max_inputs} inputs per request, got {len(items)}.", param="inputs"
+            )
+        cut = self.auto_truncate if req.truncate is None else req.truncate
+        limit = model.spec.max_input_tokens
+        t0 = time.perf_counter()
+        deadline, claim = self._admit(name, [t for item in items for t in item])
+        with claim:
+            with tracing.span("tokenize", inputs=len(items)):
+                parts = []
+                for item in items:  # a single text is its own first segment
+                    if len(item) == 1:
+                        ids, lengths = model.tokenizer.encode_batch_packed(
+                            item, True, limit if cut else None
+                        )
+                        parts.append((ids, lengths, lengths))
+                    else:
+                        parts.append(
+                            model.tokenizer.encode_pairs_packed(
+                                item[0], item[1:], limit if cut else None
+                            )
+                        )
+                ids = np.concatenate([p[0] for p in parts])
+                lengths = np.concatenate([p[1] for p in parts])
+                first = np.concatenate([p[2] for p in parts])
+                if not cut:
+                    _check_lengths(lengths, limit, "inputs")
+            timings.tokenize_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            logits, timings.chunks, timings.replica_s = await self.router.score(
+                name, ids, lengths, first, deadline=deadline, claim=claim, activation=False
+            )
+            timings.inference_s = time.perf_counter() - t1
+        self.metrics.input_tokens.labels(model=name).inc(int(ids.size))
+        logits = logits.reshape(len(items), -1).astype(np.float64)
+        if req.raw_scores:
+            scores = logits
+        elif logits.shape[1] == 1:
+            scores = 1.0 / (1.0 + np.exp(-logits))
+        else:
+            shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+            scores = shifted / shifted.sum(axis=1, keepdims=True)
+        names = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
+        ranked = [
+            [TeiPrediction(float(row[j]), names[j]) for j in np.argsort(-row, kind="stable")]
+            for row in scores
+        ]
+        return ranked if batch else ranked[0]
+
+    def tei_decode(self, req: TeiDecodeRequest) -> list[str]:
+        """TEI's /decode: one string per row of ids."""
+        model = self.model(req.model) if req.model is not None else next(iter(self.models.values()))
+        rows: list[list[int]] = [req.ids] if isinstance(req.ids[0], int) else req.ids  # type: ignore[assignment,list-item]
+        if len(rows) > self.max_inputs:
+            raise ValidationError(
+                f"At most {self.max_inputs} inputs per request, got {len(rows)}.", param="ids"
+            )
+        return model.decode(rows, req.skip_special_tokens)
 
     def tei_info(self) -> TeiInfo:
         """TEI's /info, of the model /embed serves by default."""

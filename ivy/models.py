@@ -3,9 +3,12 @@ directory) and its shape (dimensions, input limit, kind), confirmed by a replica
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+import tokenizers
 
 from ivy.chat_template import ChatTemplate
 from ivy.errors import ValidationError
@@ -36,6 +39,8 @@ class ModelSpec:
     document_prompt: str
     vocab_size: int
     confirmed: bool = False
+    # a classifier's label names by index (config.json's id2label); () when it has none
+    labels: tuple[str, ...] = ()
 
     def with_info(self, info: pb.InfoResponse) -> ModelSpec:
         return replace(
@@ -86,7 +91,10 @@ def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
             else 0
         )
         max_tokens = positions - offset
+    id2label = config.get("id2label") or {}
+    labels = tuple(str(id2label[k]) for k in sorted(id2label, key=int)) if id2label else ()
     return ModelSpec(
+        labels=labels,
         kind=kind,
         dimensions=int(config.get("hidden_size") or 0),
         max_input_tokens=max_tokens,
@@ -126,6 +134,23 @@ class ServedModel:
         if input_type in ("search_document", "document", "passage"):
             return self.spec.document_prompt
         return ""
+
+    @functools.cached_property
+    def reference_tokenizer(self) -> tokenizers.Tokenizer:
+        """Hugging Face `tokenizers` on the same tokenizer.json, for what the serving
+        tokenizer does not do (decoding ids back to text); loaded on first use."""
+        return tokenizers.Tokenizer.from_file(str(self.directory / "tokenizer.json"))
+
+    def decode(self, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        """Token ids back to text, one string per row (ids outside the vocabulary: 400)."""
+        vocab = self.reference_tokenizer.get_vocab_size(with_added_tokens=True)
+        for row in rows:
+            bad = next((i for i in row if i >= vocab), None)
+            if bad is not None:
+                raise ValidationError(
+                    f"Token id {bad} is outside the vocabulary (size {vocab}).", param="ids"
+                )
+        return self.reference_tokenizer.decode_batch(rows, skip_special_tokens=skip_special_tokens)
 
     def prompt_named(self, name: str) -> str:
         """The prompt a sentence-transformers ``prompt_name`` selects (TEI's field)."""

@@ -21,7 +21,10 @@ __all__ = [
     "CohereEmbedResponse",
     "CohereMeta",
     "TeiEmbedRequest",
+    "TeiDecodeRequest",
     "TeiInfo",
+    "TeiPredictRequest",
+    "TeiPrediction",
     "TeiSimilarityRequest",
     "TeiRank",
     "TeiRankWithText",
@@ -168,6 +171,39 @@ class TeiSimilarityRequest(_Strict):
     model: str | None = Field(
         default=None,
         description="Trellis extension: the served model (default: the first that embeds).",
+    )
+
+
+class TeiDecodeRequest(_Strict):
+    """TEI's /decode request (TEI 1.7.1): token ids back to text."""
+
+    ids: TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    skip_special_tokens: bool = True
+    model: str | None = Field(
+        default=None, description="Trellis extension: the served model (default: the first)."
+    )
+
+
+PairOrSingle = Annotated[list[NonEmptyStr], Field(min_length=1, max_length=2)]
+
+
+class TeiPredictRequest(_Strict):
+    """TEI's /predict request (TEI 1.7.1): a text, a pair of texts (a list of two), or a
+    batch of [text] / [text, text] lists, classified by a sequence-classification model."""
+
+    inputs: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=2, max_length=2)]
+        | (Annotated[list[PairOrSingle], Field(min_length=1)])
+    )
+    raw_scores: bool = Field(default=False, description="Logits instead of probabilities.")
+    truncate: bool | None = Field(
+        default=None, description="Default: the server's `--auto-truncate`."
+    )
+    truncation_direction: Direction = "Right"
+    model: str | None = Field(
+        default=None,
+        description="Trellis extension: the served model (default: the first classifier).",
     )
 
 
@@ -325,6 +361,12 @@ class TeiRank:
 @dataclass(slots=True)
 class TeiRankWithText(TeiRank):
     text: str
+
+
+@dataclass(slots=True)
+class TeiPrediction:
+    score: float
+    label: str
 
 
 @dataclass(slots=True)

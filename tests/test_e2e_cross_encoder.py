@@ -36,6 +36,8 @@ import torch
 from up_cluster import UpCluster, start_up, stop_up
 
 FAMILIES = ("xlmr", "bert")
+CLASSIFIER = "classifier"  # a three-label BertForSequenceClassification (TEI's /predict)
+LABELS = ("negative", "neutral", "positive")
 POSITIONS = 64  # tokens per pair, specials included (XLM-R: 66 position ids)
 ATOL = 1e-4
 QUERY = "how do plants grow?"
@@ -116,6 +118,16 @@ def build_reranker(
     return out
 
 
+def build_classifier(out: Path, assets: Path) -> Path:
+    """A tiny random three-label classifier with named labels (config.json's id2label)."""
+    build_reranker("bert", out, assets, num_labels=3)
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    config["id2label"] = {str(i): name for i, name in enumerate(LABELS)}
+    config["label2id"] = {name: i for i, name in enumerate(LABELS)}
+    (out / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return out
+
+
 def asset_for(family: str) -> str:
     return "xlmr-tokenizer" if family == "xlmr" else "all-minilm-l6-v2"
 
@@ -132,8 +144,9 @@ def booting(
         f: build_reranker(f, root / f"tiny-{f}-reranker", model_path(asset_for(f)))
         for f in FAMILIES
     }
-    pool = ThreadPoolExecutor(len(FAMILIES))
-    futures = {f: pool.submit(start_up, dirs[f]) for f in FAMILIES}
+    dirs[CLASSIFIER] = build_classifier(root / "tiny-classifier", model_path(asset_for("bert")))
+    pool = ThreadPoolExecutor(len(dirs))
+    futures = {f: pool.submit(start_up, dirs[f]) for f in dirs}
     codes: dict[str, int] = {}
     try:
         yield dirs, futures
@@ -362,6 +375,49 @@ def test_tei_rerank_shape_matches_cross_encoder(
         refused = client.post("/rerank", json={"query": QUERY, "texts": DOCS})
         assert refused.status_code == 400, refused.text
         assert str(POSITIONS) in refused.json()["error"]["message"]
+
+
+def test_tei_predict_matches_transformers(
+    clusters: dict[str, UpCluster], model_dirs: dict[str, Path], oracles: dict[str, Any]
+) -> None:
+    """TEI's /predict: softmax over a classifier's labels (named by id2label), highest
+    first, logits with `raw_scores`; a single text, a pair, a batch of both; sigmoid for
+    a one-label model."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    directory = model_dirs[CLASSIFIER]
+    tok = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+
+    def logits(*texts: str) -> np.ndarray:
+        with torch.no_grad():
+            batch = tok(*texts, return_tensors="pt", truncation=True)
+            return model(**batch).logits[0].double().numpy()
+
+    def check(got: list[dict], want_logits: np.ndarray, raw: bool) -> None:
+        want = want_logits if raw else np.exp(want_logits) / np.exp(want_logits).sum()
+        order = np.argsort(-want)
+        assert [p["label"] for p in got] == [LABELS[i] for i in order]
+        np.testing.assert_allclose([p["score"] for p in got], want[order], atol=ATOL)
+
+    with httpx.Client(base_url=clusters[CLASSIFIER].base_url, timeout=60) as client:
+        check(client.post("/predict", json={"inputs": DOCS[0]}).json(), logits(DOCS[0]), False)
+        pair = client.post("/predict", json={"inputs": [QUERY, DOCS[1]], "raw_scores": True})
+        check(pair.json(), logits(QUERY, DOCS[1]), True)
+        batch = [[d] for d in DOCS[:3]] + [[QUERY, DOCS[3]]]
+        got = client.post("/predict", json={"inputs": batch, "truncate": True}).json()
+        assert len(got) == 4
+        for row, item in zip(got, batch, strict=True):
+            check(row, logits(*item), False)
+        one = client.post("/predict", json={"inputs": ["only one"]})
+        assert one.status_code == 400, one.text
+    # A one-label reranker classifies too: sigmoid of its logit, as CrossEncoder scores.
+    with httpx.Client(base_url=clusters["bert"].base_url, timeout=60) as client:
+        (got,) = client.post("/predict", json={"inputs": [QUERY, DOCS[0]]}).json()
+    assert got["label"] == "LABEL_0"
+    np.testing.assert_allclose(
+        got["score"], predict(oracles["bert"], QUERY, DOCS[:1])[0], atol=ATOL
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)

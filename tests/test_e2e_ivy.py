@@ -317,6 +317,17 @@ def test_tei_embed_and_info(base: str, name: str, oracle, model_dir: Path) -> No
         ).json()
         q = oracle(["query: " + t for t in TEXTS])
         np.testing.assert_allclose(sims, cosines(q[1:], np.repeat(q[:1], 5, axis=0)), atol=1e-4)
+        # /decode: the ids of a text give the text back (special tokens skipped unless
+        # asked for); an id outside the vocabulary is a 400.
+        ids = oracle.ids(TEXTS[:2])
+        assert client.post("/decode", json={"ids": ids}).json() == TEXTS[:2]
+        with_specials = client.post(
+            "/decode", json={"ids": ids[0], "skip_special_tokens": False}
+        ).json()
+        (text,) = with_specials
+        assert text.startswith("<s>") and text.endswith("</s>") and TEXTS[0] in text
+        bad = client.post("/decode", json={"ids": [1, 10**7]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "ids"
         info = client.get("/info").json()
     assert info["model_id"] == name and info["max_input_length"] == 512
     assert info["auto_truncate"] is False and info["max_client_batch_size"] == 2048
