@@ -14,14 +14,17 @@ RUST_SOURCES := $(shell find tokenizer/src -name '*.rs' 2>/dev/null)
 TEST_MODELS := xlmr-tokenizer multilingual-e5-small all-minilm-l6-v2 smollm2-135m-instruct
 RUN_MODEL ?= multilingual-e5-small
 PYTEST_ARGS ?=
+INFINITY_VENV ?= $(HOME)/.cache/trellis/bench-venvs/infinity
+INFINITY := $(INFINITY_VENV)/bin/infinity_emb
 
-.PHONY: help install models run test test-python test-rust lint fmt bench deploy-check protos clean
+.PHONY: help install models run test test-python test-rust lint fmt bench bench-peers deploy-check protos clean
 
 help:
 	@echo "make run     install, pull $(RUN_MODEL) and start a local cluster (Ivy on :8000)"
 	@echo "make test    install and run every test (pytest + cargo test)"
 	@echo "make lint    ruff, cargo fmt --check, cargo clippy -D warnings"
 	@echo "make bench   run the benchmarks (results in bench/results/)"
+	@echo "make bench-peers  install the serving benchmark's peers (Infinity)"
 	@echo "make deploy-check  render and validate deploy/ (kustomize, compose, hadolint)"
 	@echo "make protos  regenerate the gRPC stubs from protos/"
 	@echo "make clean   remove the virtual environment and build outputs"
@@ -63,8 +66,17 @@ fmt: install
 	$(BIN)/ruff check --fix .
 	cargo fmt --all
 
-bench: models
+bench: models $(INFINITY)
 	$(BIN)/python -m bench
+
+# The peers the serving benchmark runs side by side with Trellis, each in a virtual
+# environment of its own so they never pin this project's dependencies.
+$(INFINITY): $(BIN)/python
+	$(UV) venv --quiet --python $(PYTHON) $(INFINITY_VENV)
+	VIRTUAL_ENV=$(INFINITY_VENV) $(UV) pip install --quiet "infinity-emb[server,torch]==0.0.77" \
+		"click==8.1.8"  # infinity's typer CLI fails on click >= 8.2
+
+bench-peers: $(INFINITY)
 
 deploy-check: install
 	$(BIN)/python -m deploy.check
