@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import http.client
 import json
 import os
@@ -440,6 +441,15 @@ def run(args: argparse.Namespace) -> int:
     tables: dict[str, list[Row]] = {
         k: [] for k in ("latency", "rerank", "throughput", "concurrency", "fair_latency")
     }
+    write = functools.partial(
+        write_results,
+        tables,
+        infinity_note,
+        plan,
+        torch.__version__,
+        args.replicas,
+        ivy_threads=args.replica_threads,
+    )
     previous = RESULTS / "serving.json"
     if args.latency_only:
         # Only table (5); every other table is kept from the previous run.
@@ -467,15 +477,7 @@ def run(args: argparse.Namespace) -> int:
                 "are from the run described above.",
                 "",
             ]
-        write_results(
-            tables,
-            infinity_note,
-            plan,
-            torch.__version__,
-            args.replicas,
-            header=header,
-            ivy_threads=args.replica_threads,
-        )
+        write(header=header)
         return 0
     if args.only:
         # Re-run some systems, keeping the other systems' rows of the previous run.
@@ -502,28 +504,13 @@ def run(args: argparse.Namespace) -> int:
             if not ok:
                 return 1
         # Rewritten after each system so a long run leaves its finished tables behind.
-        write_results(
-            tables,
-            infinity_note,
-            plan,
-            torch.__version__,
-            args.replicas,
-            quiet=True,
-            ivy_threads=args.replica_threads,
-        )
+        write(quiet=True)
     if not args.only:
         print(f"-- equal threads ({args.threads})", flush=True)
         tables["fair_latency"] = fair_latency(
             model_dir, rose_embed, t128[0], args.threads, _FAIR_REQUESTS
         )
-    write_results(
-        tables,
-        infinity_note,
-        plan,
-        torch.__version__,
-        args.replicas,
-        ivy_threads=args.replica_threads,
-    )
+    write()
     return 0
 
 
