@@ -78,6 +78,7 @@ from ivy.schemas import (
     TeiRank,
     TeiRankWithText,
     TeiSimilarityRequest,
+    TeiToken,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -313,8 +314,8 @@ def route_table(app: IvyApp) -> list[Route]:
             "/tokenize",
             tokenize,
             TokenizeRequest,
-            TokenizeResponse,
-            "Token ids and character offsets",
+            TokenizeResponse | list[list[TeiToken]],
+            "Token ids and character offsets (Trellis; TEI's shape with `inputs`)",
             errors=(400, 401, 404, 413),
         ),
         *generation_routes(service),

@@ -46,6 +46,7 @@ from ivy.schemas import (
     TeiRank,
     TeiRankWithText,
     TeiSimilarityRequest,
+    TeiToken,
     TokenizedInput,
     TokenizeRequest,
     TokenizeResponse,
@@ -585,24 +586,41 @@ class Gateway:
         usage = Usage(tokens, tokens)
         return RerankResponse(str(uuid.uuid4()), name, results, usage, RERANK_META)
 
-    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
-        model = self.model(req.model)
-        texts = [req.input] if isinstance(req.input, str) else list(req.input)
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse | list[list[TeiToken]]:
+        tei = req.inputs is not None
+        if tei == (req.input is not None):
+            raise ValidationError(
+                "Send `input` (with `model`) or `inputs` (TEI's shape), one of them.",
+                param="input",
+            )
+        if not tei and req.model is None:
+            raise ValidationError("Invalid 'model': Field required.", param="model")
+        model = self.model(req.model) if req.model is not None else next(iter(self.models.values()))
+        raw = req.inputs if tei else req.input
+        param = "inputs" if tei else "input"
+        texts = [raw] if isinstance(raw, str) else list(raw)  # type: ignore[arg-type]
         if len(texts) > self.max_inputs:
             raise ValidationError(
-                f"At most {self.max_inputs} inputs per request, got {len(texts)}.", param="input"
+                f"At most {self.max_inputs} inputs per request, got {len(texts)}.", param=param
             )
-
-        self._check_chars(texts, "input")
+        if req.prompt_name is not None:
+            prompt = model.prompt_named(req.prompt_name)
+            texts = [prompt + t for t in texts]
+        self._check_chars(texts, param)
 
         def run() -> list[tuple[list[int], list[tuple[int, int]]]]:
             return [model.tokenizer.encode_with_offsets(t, req.add_special_tokens) for t in texts]
 
         chars = sum(len(t) for t in texts)
         encoded = await asyncio.to_thread(run) if chars > _INLINE_CHARS else run()
+        if tei:
+            return [
+                model.tei_tokens(t, ids, offsets)
+                for t, (ids, offsets) in zip(texts, encoded, strict=True)
+            ]
         total = sum(len(ids) for ids, _ in encoded)
         data = [TokenizedInput(i, ids, offsets) for i, (ids, offsets) in enumerate(encoded)]
-        return TokenizeResponse(req.model, data, Usage(total, total))
+        return TokenizeResponse(model.name, data, Usage(total, total))
 
     def list_models(self) -> ModelList:
         return ModelList([ModelCard(name, self.created, "trellis") for name in self.models])

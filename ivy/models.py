@@ -12,6 +12,7 @@ import tokenizers
 
 from ivy.chat_template import ChatTemplate
 from ivy.errors import ValidationError
+from ivy.schemas import TeiToken
 from ivy.tokenization import TextTokenizer, load_tokenizer
 from protos.trellis.v1 import inference_pb2 as pb
 
@@ -140,6 +141,25 @@ class ServedModel:
         """Hugging Face `tokenizers` on the same tokenizer.json, for what the serving
         tokenizer does not do (decoding ids back to text); loaded on first use."""
         return tokenizers.Tokenizer.from_file(str(self.directory / "tokenizer.json"))
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the tokenizer's special tokens (added tokens marked special)."""
+        added = self.reference_tokenizer.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
+
+    def tei_tokens(
+        self, text: str, ids: list[int], offsets: list[tuple[int, int]]
+    ) -> list[TeiToken]:
+        """TEI's view of an encoding: a special token the template added (it covers no
+        text) shows its own string; the others the characters they cover."""
+        out = []
+        for i, (start, stop) in zip(ids, offsets, strict=True):
+            if start == stop and i in self.special_ids:
+                out.append(TeiToken(i, self.reference_tokenizer.id_to_token(i), True, None, None))
+            else:
+                out.append(TeiToken(i, text[start:stop], False, start, stop))
+        return out
 
     def decode(self, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
         """Token ids back to text, one string per row (ids outside the vocabulary: 400)."""

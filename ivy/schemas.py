@@ -26,6 +26,7 @@ __all__ = [
     "TeiPredictRequest",
     "TeiPrediction",
     "TeiSimilarityRequest",
+    "TeiToken",
     "TeiRank",
     "TeiRankWithText",
     "UINT32_MAX",
@@ -347,9 +348,17 @@ class RerankResponse:
 
 
 class TokenizeRequest(_Strict):
-    model: str
-    input: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+    """Trellis' tokenize request (`model`, `input`: ids and offsets), or TEI's (`inputs`,
+    TEI 1.7.1: a list of {id, text, special, start, stop} per input); the answer follows
+    the shape of the request. Exactly one of `input` and `inputs` is required."""
+
+    model: str | None = Field(
+        default=None, description="Required with `input`; TEI's shape: the first model."
+    )
+    input: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
+    inputs: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    prompt_name: str | None = Field(default=None, description="TEI: `query` or `document`.")
 
 
 @dataclass(slots=True)
@@ -367,6 +376,18 @@ class TeiRankWithText(TeiRank):
 class TeiPrediction:
     score: float
     label: str
+
+
+@dataclass(slots=True)
+class TeiToken:
+    """One token as TEI's /tokenize shows it: special tokens have no offsets and their
+    own text; the others the characters [start, stop) of the input they cover."""
+
+    id: int
+    text: str
+    special: bool
+    start: int | None
+    stop: int | None
 
 
 @dataclass(slots=True)

@@ -328,6 +328,28 @@ def test_tei_embed_and_info(base: str, name: str, oracle, model_dir: Path) -> No
         assert text.startswith("<s>") and text.endswith("</s>") and TEXTS[0] in text
         bad = client.post("/decode", json={"ids": [1, 10**7]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "ids"
+        # /tokenize in TEI's shape: what `tokenizers` encodes, shown by TEI's rules
+        # (special tokens: their string, no offsets; others: the characters they cover).
+        reference = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        got = client.post("/tokenize", json={"inputs": TEXTS[2:4]}).json()
+        assert len(got) == 2
+        for text, tokens in zip(TEXTS[2:4], got, strict=True):
+            enc = reference.encode(text)
+            want = [
+                {"id": i, "text": tok, "special": True, "start": None, "stop": None}
+                if special
+                else {"id": i, "text": text[a:b], "special": False, "start": a, "stop": b}
+                for i, tok, special, (a, b) in zip(
+                    enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True
+                )
+            ]
+            assert tokens == want
+        plain = client.post(
+            "/tokenize", json={"inputs": TEXTS[0], "add_special_tokens": False}
+        ).json()
+        assert [t["id"] for t in plain[0]] == reference.encode(
+            TEXTS[0], add_special_tokens=False
+        ).ids
         info = client.get("/info").json()
     assert info["model_id"] == name and info["max_input_length"] == 512
     assert info["auto_truncate"] is False and info["max_client_batch_size"] == 2048
