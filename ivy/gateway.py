@@ -121,6 +121,29 @@ class Gateway:
         )
         return ok, healthy
 
+    def check_count(self, count: int, param: str, what: str = "inputs") -> None:
+        """Refuse a request of more than `max_inputs` inputs (or documents, prompts)."""
+        if count > self.max_inputs:
+            raise ValidationError(
+                f"At most {self.max_inputs} {what} per request, got {count}.", param=param
+            )
+
+    def served(self, name: str | None, kinds: tuple[str, ...], does: str) -> ServedModel:
+        """The named model, which must be of one of `kinds`; None: the first served model
+        of the first of `kinds` that has one (TEI's clients name no model). `does` says
+        what such a model does, for the refusals ("produce embeddings")."""
+        if name is None:
+            for kind in kinds:
+                name = next((n for n, m in self.models.items() if m.spec.kind == kind), None)
+                if name is not None:
+                    break
+            else:
+                raise ValidationError(f"No served model can {does}.", param="model")
+        model = self.model(name)
+        if model.spec.kind not in kinds:
+            raise ValidationError(f"The model `{name}` does not {does}.", param="model")
+        return model
+
     def model(self, name: str) -> ServedModel:
         model = self.models.get(name)
         if model is None:
@@ -195,15 +218,7 @@ class Gateway:
 
     # ---- endpoints ---------------------------------------------------------------------
     def embedder(self, name: str | None) -> ServedModel:
-        """The named model, which must produce embeddings (None: the first served one)."""
-        if name is None:
-            name = next((n for n, m in self.models.items() if m.spec.kind == EMBEDDING), "")
-            if not name:
-                raise ValidationError("No served model produces embeddings.", param="model")
-        model = self.model(name)
-        if model.spec.kind != EMBEDDING:
-            raise ValidationError(f"The model `{name}` does not produce embeddings.", param="model")
-        return model
+        return self.served(name, (EMBEDDING,), "produce embeddings")
 
     async def embed(
         self,
@@ -228,10 +243,7 @@ class Gateway:
                 f"got {dimensions}.",
                 param=dimensions_param,
             )
-        if len(inputs) > self.max_inputs:
-            raise ValidationError(
-                f"At most {self.max_inputs} inputs per request, got {len(inputs)}.", param="input"
-            )
+        self.check_count(len(inputs), "input")
         cut = self.auto_truncate if truncate is None else truncate
         t0 = time.perf_counter()
         texts_in = isinstance(inputs[0], str)
@@ -347,15 +359,8 @@ class Gateway:
     ) -> list[TeiPrediction] | list[list[TeiPrediction]]:
         """TEI's /predict: each input's labels by score, highest first (probabilities:
         sigmoid for one label, softmax over several; logits with `raw_scores`)."""
-        if req.model is None:
-            name = next((n for n, m in self.models.items() if m.spec.kind == CROSS_ENCODER), "")
-            if not name:
-                raise ValidationError("No served model classifies text.", param="model")
-        else:
-            name = req.model
-        model = self.model(name)
-        if model.spec.kind != CROSS_ENCODER:
-            raise ValidationError(f"The model `{name}` does not classify text.", param="model")
+        model = self.served(req.model, (CROSS_ENCODER,), "classify text")
+        name = model.name
         if req.truncation_direction.lower() == "left":
             raise ValidationError(
                 "truncation_direction `left` is not supported for classifiers.",
@@ -365,10 +370,7 @@ class Gateway:
         items: list[list[str]] = (
             req.inputs if batch else [[req.inputs] if isinstance(req.inputs, str) else req.inputs]  # type: ignore[assignment,list-item]
         )
-        if len(items) > self.max_inputs:
-            raise ValidationError(
-                f"At most {self.max_inputs} inputs per request, got {len(items)}.", param="inputs"
-            )
+        self.check_count(len(items), "inputs")
         cut = self.auto_truncate if req.truncate is None else req.truncate
         limit = model.spec.max_input_tokens
         t0 = time.perf_counter()
@@ -419,10 +421,7 @@ class Gateway:
         """TEI's /decode: one string per row of ids."""
         model = self.model(req.model) if req.model is not None else next(iter(self.models.values()))
         rows: list[list[int]] = [req.ids] if isinstance(req.ids[0], int) else req.ids  # type: ignore[assignment,list-item]
-        if len(rows) > self.max_inputs:
-            raise ValidationError(
-                f"At most {self.max_inputs} inputs per request, got {len(rows)}.", param="ids"
-            )
+        self.check_count(len(rows), "ids")
         return model.decode(rows, req.skip_special_tokens)
 
     def tei_info(self) -> TeiInfo:
@@ -442,16 +441,8 @@ class Gateway:
         )
 
     def reranker(self, name: str | None) -> ServedModel:
-        """The named model (None: the first served cross-encoder, else embedding model)."""
-        if name is None:
-            kinds = {m.spec.kind: n for n, m in reversed(self.models.items())}
-            name = kinds.get(CROSS_ENCODER) or kinds.get(EMBEDDING)
-            if name is None:
-                raise ValidationError("No served model can rerank.", param="model")
-        model = self.model(name)
-        if model.spec.kind not in (CROSS_ENCODER, EMBEDDING):
-            raise ValidationError(f"The model `{name}` cannot rerank.", param="model")
-        return model
+        """Cross-encoders first, then embedding models (cosine of query and document)."""
+        return self.served(name, (CROSS_ENCODER, EMBEDDING), "rerank")
 
     async def rerank(
         self, req: RerankRequest, timings: Timings
@@ -482,10 +473,7 @@ class Gateway:
             cut = True  # Cohere's shape fits documents to the room left
             per_doc = req.max_tokens_per_doc or _DEFAULT_MAX_TOKENS_PER_DOC
         left = req.truncation_direction.lower() == "left"
-        if len(docs) > self.max_inputs:
-            raise ValidationError(
-                f"At most {self.max_inputs} documents per request, got {len(docs)}.", param=param
-            )
+        self.check_count(len(docs), param, "documents")
         deadline, claim = self._admit(name, docs)
         with claim:
             spec = model.spec
@@ -599,10 +587,7 @@ class Gateway:
         raw = req.inputs if tei else req.input
         param = "inputs" if tei else "input"
         texts = [raw] if isinstance(raw, str) else list(raw)  # type: ignore[arg-type]
-        if len(texts) > self.max_inputs:
-            raise ValidationError(
-                f"At most {self.max_inputs} inputs per request, got {len(texts)}.", param=param
-            )
+        self.check_count(len(texts), param)
         if req.prompt_name is not None:
             prompt = model.prompt_named(req.prompt_name)
             texts = [prompt + t for t in texts]

@@ -288,16 +288,16 @@ class GenerationService:
         # Prompts are raw model input: special-token text in them is parsed (as OpenAI
         # and vLLM do); the caller controls the whole prompt, ids included.
         prompt = req.prompt
-        limit = self._gateway().max_inputs
+        gateway = self._gateway()
         if isinstance(prompt, str):
             prompts = await _tokenize(model, [prompt], add_special_tokens=True)
         elif isinstance(prompt[0], str):
             texts: list[str] = prompt  # type: ignore[assignment]
-            _check_count(len(texts), limit)
+            gateway.check_count(len(texts), "prompt", "prompts")
             prompts = await _tokenize(model, texts, add_special_tokens=True)
         else:
             rows: list[list[int]] = [prompt] if isinstance(prompt[0], int) else prompt  # type: ignore[assignment,list-item]
-            _check_count(len(rows), limit)
+            gateway.check_count(len(rows), "prompt", "prompts")
             prompts = [np.asarray(r, dtype=np.uint32) for r in rows]
             vocab = model.spec.vocab_size
             top = max(int(p.max()) for p in prompts)
@@ -510,11 +510,6 @@ def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
         raise ValidationError(
             "stream_options is only allowed when stream is true.", param="stream_options"
         )
-
-
-def _check_count(count: int, limit: int) -> None:
-    if count > limit:
-        raise ValidationError(f"At most {limit} prompts per request, got {count}.", param="prompt")
 
 
 async def _tokenize(
