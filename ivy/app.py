@@ -63,6 +63,8 @@ from ivy.schemas import (
     VERSION,
     CohereEmbedRequest,
     CohereEmbedResponse,
+    ContextualizedEmbeddingRequest,
+    ContextualizedEmbeddingResponse,
     EmbeddingRequest,
     EmbeddingResponse,
     Health,
@@ -187,6 +189,11 @@ def route_table(app: IvyApp) -> list[Route]:
     async def embeddings(req: EmbeddingRequest, timings: Timings) -> EmbeddingResponse:
         return await gateway().embeddings(req, timings)
 
+    async def contextualized(
+        req: ContextualizedEmbeddingRequest, timings: Timings
+    ) -> ContextualizedEmbeddingResponse:
+        return await gateway().contextualized(req, timings)
+
     async def rerank(
         req: RerankRequest, timings: Timings
     ) -> RerankResponse | list[TeiRankWithText] | list[TeiRank]:
@@ -260,6 +267,15 @@ def route_table(app: IvyApp) -> list[Route]:
             EmbeddingRequest,
             EmbeddingResponse,
             "Create embeddings (OpenAI)",
+            errors=errors,
+        ),
+        Route(
+            "POST",
+            "/v1/contextualizedembeddings",
+            _timed(metrics, "/v1/contextualizedembeddings", contextualized),
+            ContextualizedEmbeddingRequest,
+            ContextualizedEmbeddingResponse,
+            "Embed document chunks in their document's context (Perplexity)",
             errors=errors,
         ),
         *rerank_routes,

@@ -20,6 +20,10 @@ from ivy.models import CROSS_ENCODER, EMBEDDING, ServedModel
 from ivy.replicas import Replica, ReplicaPool
 from ivy.router import Claim, Router
 from ivy.schemas import (
+    CONTEXT_MAX_CHUNKS,
+    CONTEXT_MAX_DOCUMENT_TOKENS,
+    CONTEXT_MAX_DOCUMENTS,
+    CONTEXT_MAX_REQUEST_TOKENS,
     RERANK_META,
     VERSION,
     ApiVersion,
@@ -27,6 +31,9 @@ from ivy.schemas import (
     CohereEmbedRequest,
     CohereEmbedResponse,
     CohereMeta,
+    ContextualizedData,
+    ContextualizedEmbeddingRequest,
+    ContextualizedEmbeddingResponse,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -286,15 +293,112 @@ class Gateway:
             left=req.truncation_direction.lower() == "left",
             dimensions=req.dimensions,
         )
-        encode = _ENCODINGS.get(req.encoding_format)
-        if encode is not None:
-            data = [
-                EmbeddingData(i, base64.b64encode(row).decode())
-                for i, row in enumerate(encode(vectors))
-            ]
-        else:
-            data = [EmbeddingData(i, row) for i, row in enumerate(vectors)]  # type: ignore[arg-type]
-        return EmbeddingResponse(data, req.model, Usage(tokens, tokens))
+        return EmbeddingResponse(
+            _embedding_data(vectors, req.encoding_format), req.model, Usage(tokens, tokens)
+        )
+
+    async def contextualized(
+        self, req: ContextualizedEmbeddingRequest, timings: Timings
+    ) -> ContextualizedEmbeddingResponse:
+        """Perplexity's /v1/contextualizedembeddings (late chunking): each document is one
+        sequence, [specials] [prompt] chunk 1 ... chunk n [specials], every chunk tokenized
+        on its own (no special tokens); a chunk's vector is pooled over its own tokens only,
+        which attended to the whole document."""
+        model = self.embedder(req.model)
+        spec = model.spec
+        docs = req.input
+        if len(docs) > CONTEXT_MAX_DOCUMENTS:
+            raise ValidationError(
+                f"At most {CONTEXT_MAX_DOCUMENTS} documents per request, got {len(docs)}.",
+                param="input",
+            )
+        counts = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        if int(counts.sum()) > CONTEXT_MAX_CHUNKS:
+            raise ValidationError(
+                f"At most {CONTEXT_MAX_CHUNKS} chunks per request (all documents together), "
+                f"got {int(counts.sum())}.",
+                param="input",
+            )
+        if req.dimensions is not None and spec.dimensions and req.dimensions > spec.dimensions:
+            raise ValidationError(
+                f"dimensions must be at most {spec.dimensions} for `{model.name}`, "
+                f"got {req.dimensions}.",
+                param="dimensions",
+            )
+        chunks = [c for d in docs for c in d]
+        self._check_chars(chunks, "input")
+        t0 = time.perf_counter()
+        deadline, claim = self._admit(model.name, chunks)
+        with claim:
+            with tracing.span("tokenize", inputs=len(chunks)):
+                encode = model.tokenizer.encode_batch_packed
+                if sum(len(c) for c in chunks) > _INLINE_CHARS:
+                    ids, lengths = await asyncio.to_thread(encode, chunks, False, None)
+                else:
+                    ids, lengths = encode(chunks, False, None)
+                head, tail = self._document_frame(model, model.prompt_for(req.input_type))
+                ids, doc_lengths, bounds = _late_chunks(ids, lengths, counts, head, tail)
+            limit = min(CONTEXT_MAX_DOCUMENT_TOKENS, spec.max_input_tokens)
+            over = np.flatnonzero(doc_lengths > limit)
+            if over.size:
+                i = int(over[0])
+                raise ValidationError(
+                    f"Document {i} has {int(doc_lengths[i])} tokens, over the limit of {limit} "
+                    f"tokens per document.",
+                    param="input",
+                )
+            empty = np.flatnonzero(lengths == 0)
+            if empty.size:
+                j = int(empty[0])
+                i = int(np.searchsorted(np.cumsum(counts), j, side="right"))
+                raise ValidationError(
+                    f"Chunk {j - int(counts[:i].sum())} of document {i} has no tokens.",
+                    param="input",
+                )
+            if ids.size > CONTEXT_MAX_REQUEST_TOKENS:
+                raise ValidationError(
+                    f"At most {CONTEXT_MAX_REQUEST_TOKENS} tokens per request, got {ids.size}.",
+                    param="input",
+                )
+            timings.tokenize_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            vectors, timings.chunks, timings.replica_s = await self.router.embed(
+                model.name,
+                ids,
+                doc_lengths,
+                dimensions=req.dimensions or 0,
+                spans=(counts, bounds),
+                deadline=deadline,
+                claim=claim,
+            )
+            timings.inference_s = time.perf_counter() - t1
+        tokens = int(ids.size)
+        self.metrics.input_tokens.labels(model=model.name).inc(tokens)
+        data = _embedding_data(vectors, req.encoding_format)
+        starts = np.concatenate(([0], np.cumsum(counts)))
+        documents = [
+            ContextualizedData(
+                i,
+                [
+                    EmbeddingData(j, row.embedding)
+                    for j, row in enumerate(data[starts[i] : starts[i + 1]])
+                ],
+            )
+            for i in range(len(docs))
+        ]
+        return ContextualizedEmbeddingResponse(documents, req.model, Usage(tokens, tokens))
+
+    def _document_frame(self, model: ServedModel, prompt: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids before a late-chunked document's first chunk (the tokenizer's leading
+        special tokens, then `prompt`) and after its last (the trailing special tokens)."""
+        full, _ = model.tokenizer.encode_batch_packed(["a"], True, None)
+        bare, _ = model.tokenizer.encode_batch_packed(["a"], False, None)
+        lead = self._leading_specials(model)
+        head, tail = full[:lead], full[lead + len(bare) :]
+        if prompt:
+            said, _ = model.tokenizer.encode_batch_packed([prompt], False, None)
+            head = np.concatenate((head, said))
+        return head, tail
 
     async def tei_embed(self, req: TeiEmbedRequest, timings: Timings) -> np.ndarray:
         """TEI's /embed: one array of floats per input."""
@@ -633,6 +737,40 @@ _ENCODINGS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "base64_int8": quantize_int8,
     "base64_binary": pack_binary,
 }
+
+
+def _embedding_data(vectors: np.ndarray, encoding_format: str) -> list[EmbeddingData]:
+    """OpenAI's data entries of `vectors` [N, D] in `encoding_format`."""
+    encode = _ENCODINGS.get(encoding_format)
+    if encode is None:
+        return [EmbeddingData(i, row) for i, row in enumerate(vectors)]  # type: ignore[arg-type]
+    return [
+        EmbeddingData(i, base64.b64encode(row).decode()) for i, row in enumerate(encode(vectors))
+    ]
+
+
+def _late_chunks(
+    ids: np.ndarray, lengths: np.ndarray, counts: np.ndarray, head: np.ndarray, tail: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Chunks' packed ids [T] and lengths [C] → documents' packed ids (`head`, a document's
+    chunks in order, `tail`), their lengths [D], and each chunk's [start, end) token span
+    within its document [C, 2] (`counts` [D]: chunks per document)."""
+    ends = np.cumsum(lengths, dtype=np.int64)
+    starts = ends - lengths
+    first = np.concatenate(([0], np.cumsum(counts)))
+    parts: list[np.ndarray] = []
+    bounds = np.empty((int(lengths.size), 2), dtype=np.int64)
+    doc_lengths = np.empty(int(counts.size), dtype=np.int64)
+    for d in range(int(counts.size)):
+        a, b = int(first[d]), int(first[d + 1])
+        body = ids[starts[a] : ends[b - 1]] if b > a else ids[:0]
+        parts += [head, body, tail]
+        offset = len(head) - int(starts[a])
+        bounds[a:b, 0] = starts[a:b] + offset
+        bounds[a:b, 1] = ends[a:b] + offset
+        doc_lengths[d] = len(head) + len(body) + len(tail)
+    packed = np.concatenate(parts).astype(np.uint32, copy=False)
+    return packed, doc_lengths, bounds
 
 
 def _cosines_to_first(vectors: np.ndarray) -> np.ndarray:

@@ -188,20 +188,30 @@ class Router:
         *,
         dimensions: int,
         normalize: bool | None = None,
+        spans: tuple[np.ndarray, np.ndarray] | None = None,
         deadline: float,
         claim: Claim,
     ) -> tuple[np.ndarray, int, float]:
         """Embeddings [inputs, dims] float32 in input order, the chunk count and the
-        replicas' own time (queue + inference, seconds; the slowest chunk)."""
+        replicas' own time (queue + inference, seconds; the slowest chunk). With `spans`
+        (spans per input [inputs], each span's [start, end) within its input [spans, 2])
+        one vector per span, in order (late chunking: an input never splits over chunks)."""
+        first_span = None if spans is None else np.concatenate(([0], np.cumsum(spans[0])))
 
         def request(chunk: Chunk) -> pb.EmbedRequest:
-            return pb.EmbedRequest(
+            message = pb.EmbedRequest(
                 inputs=pack_token_batch(
                     ids[chunk.token_start : chunk.token_stop], lengths[chunk.start : chunk.stop]
                 ),
                 normalize=_NORMALIZE[normalize],
                 dimensions=dimensions,
             )
+            if spans is not None and first_span is not None:
+                counts, bounds = spans
+                message.span_counts.extend(counts[chunk.start : chunk.stop].tolist())
+                cut = bounds[first_span[chunk.start] : first_span[chunk.stop]]
+                message.spans.extend(cut.reshape(-1).tolist())
+            return message
 
         return await self._fan_out(model, "embed", lengths, request, deadline, claim)
 

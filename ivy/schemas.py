@@ -20,6 +20,9 @@ __all__ = [
     "CohereEmbedRequest",
     "CohereEmbedResponse",
     "CohereMeta",
+    "ContextualizedData",
+    "ContextualizedEmbeddingRequest",
+    "ContextualizedEmbeddingResponse",
     "TeiEmbedRequest",
     "TeiDecodeRequest",
     "TeiInfo",
@@ -129,6 +132,56 @@ class Usage:
 class EmbeddingResponse:
     object: Literal["list"] = field(default="list", init=False)
     data: list[EmbeddingData]
+    model: str
+    usage: Usage
+
+
+# Perplexity's limits on /v1/contextualizedembeddings (its API reference states them).
+CONTEXT_MAX_DOCUMENTS = 512
+CONTEXT_MAX_CHUNKS = 16_000
+CONTEXT_MAX_DOCUMENT_TOKENS = 32_768  # or the model's own limit, when lower
+CONTEXT_MAX_REQUEST_TOKENS = 120_000
+
+
+class ContextualizedEmbeddingRequest(_Strict):
+    """Perplexity's contextualized (late-chunking) embeddings request: each document is a
+    list of chunks, encoded together in one sequence; each chunk's vector is pooled over
+    its own tokens."""
+
+    input: Annotated[
+        list[Annotated[list[NonEmptyStr], Field(min_length=1)]], Field(min_length=1)
+    ] = Field(
+        description=f"Documents, each a list of its chunks in order (at most {CONTEXT_MAX_DOCUMENTS} "
+        f"documents, {CONTEXT_MAX_CHUNKS} chunks in all, {CONTEXT_MAX_DOCUMENT_TOKENS} tokens per "
+        f"document, {CONTEXT_MAX_REQUEST_TOKENS} tokens per request; no empty strings)."
+    )
+    model: str
+    encoding_format: Literal["base64_int8", "base64_binary", "float", "base64"] = Field(
+        default="base64_int8",
+        description="As /v1/embeddings; Perplexity's API takes base64_int8 (its default) and "
+        "base64_binary, float and base64 are Trellis extensions.",
+    )
+    dimensions: PositiveUInt32 | None = Field(
+        default=None, description="Keep the first N values (at most the model's size)."
+    )
+    input_type: InputType | None = Field(
+        default=None,
+        description="Trellis extension: the model's prompt before each document (none by "
+        "default); it belongs to no chunk.",
+    )
+
+
+@dataclass(slots=True)
+class ContextualizedData:
+    object: Literal["list"] = field(default="list", init=False)
+    index: int
+    data: list[EmbeddingData]
+
+
+@dataclass(slots=True)
+class ContextualizedEmbeddingResponse:
+    object: Literal["list"] = field(default="list", init=False)
+    data: list[ContextualizedData]
     model: str
     usage: Usage
 

@@ -23,6 +23,10 @@ class RaggedBatch:
     token_type_ids: [T] int64 or None (all zeros).
     pooling: per row "mean" | "cls" | "last" or None for the model's default; None for all defaults.
     normalize: per row L2 normalization on/off or None for the model's default; None for all defaults.
+    span_counts: [B] int64, spans per row (each >= 1), or None: one output per row.
+    spans: [S, 2] int64 (S = sum(span_counts)), each span's [start, end) token offsets within
+        its row, rows in order. With spans an embedder pools each span (late chunking: the
+        tokens of a span attend to their whole row) and returns one vector per span.
     """
 
     input_ids: np.ndarray
@@ -30,6 +34,8 @@ class RaggedBatch:
     token_type_ids: np.ndarray | None = None
     pooling: tuple[str | None, ...] | None = None
     normalize: tuple[bool | None, ...] | None = None
+    span_counts: np.ndarray | None = None
+    spans: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.ndim != 1 or self.cu_seqlens.ndim != 1 or self.cu_seqlens.size < 2:
@@ -52,12 +58,39 @@ class RaggedBatch:
                 raise EngineError(
                     f"RaggedBatch.{key} has {len(values)} entries for {self.rows} rows"
                 )
+        if (self.span_counts is None) != (self.spans is None):
+            raise EngineError("RaggedBatch.span_counts and spans come together")
+        if self.span_counts is not None and self.spans is not None:
+            self._check_spans(self.span_counts, self.spans)
         if self.pooling is not None:
             for mode in self.pooling:
                 if mode is not None and mode not in POOLING_MODES:
                     raise EngineError(
                         f"RaggedBatch.pooling: unknown mode {mode!r}; use one of {POOLING_MODES}"
                     )
+
+    def _check_spans(self, counts: np.ndarray, spans: np.ndarray) -> None:
+        if counts.shape != (self.rows,) or np.any(counts < 1):
+            raise EngineError(
+                f"RaggedBatch.span_counts needs one count >= 1 for each of {self.rows} rows"
+            )
+        if spans.shape != (int(counts.sum()), 2):
+            raise EngineError(
+                f"RaggedBatch.spans must be [{int(counts.sum())}, 2] (start, end) pairs, got {list(spans.shape)}"
+            )
+        lengths = np.repeat(self.lengths.astype(np.int64), counts)
+        bad = (spans[:, 0] < 0) | (spans[:, 1] <= spans[:, 0]) | (spans[:, 1] > lengths)
+        if np.any(bad):
+            i = int(np.flatnonzero(bad)[0])
+            raise EngineError(
+                f"RaggedBatch.spans[{i}] = [{int(spans[i, 0])}, {int(spans[i, 1])}) is not a "
+                f"non-empty span of its row ({int(lengths[i])} tokens)"
+            )
+
+    @property
+    def outputs(self) -> int:
+        """Vectors the batch yields: one per span, or one per row."""
+        return self.rows if self.span_counts is None else int(self.span_counts.sum())
 
     @property
     def rows(self) -> int:
@@ -110,8 +143,11 @@ class RaggedBatch:
         first_segment_lengths: np.ndarray | None = None,
         pooling: Sequence[str | None] | None = None,
         normalize: Sequence[bool | None] | None = None,
+        span_counts: np.ndarray | None = None,
+        spans: np.ndarray | None = None,
     ) -> RaggedBatch:
-        """Build from the wire layout: flat uint32 ids [T] and uint32 row lengths [B].
+        """Build from the wire layout: flat uint32 ids [T] and uint32 row lengths [B]
+        (spans as in the class docstring, any integer dtype).
 
         first_segment_lengths [B] (pairs for cross-encoders): token type 0 for the first
         first_segment_lengths[i] tokens of row i, 1 for the rest.
@@ -141,4 +177,6 @@ class RaggedBatch:
             token_type_ids=types,
             pooling=None if pooling is None else tuple(pooling),
             normalize=None if normalize is None else tuple(normalize),
+            span_counts=None if span_counts is None else np.asarray(span_counts, dtype=np.int64),
+            spans=None if spans is None else np.asarray(spans, dtype=np.int64).reshape(-1, 2),
         )

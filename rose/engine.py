@@ -50,13 +50,16 @@ class _HostBatch:
     types: np.ndarray | None  # [T] int64
     seg_ids: np.ndarray  # [T] int64, row of each token
     cu_seqlens: np.ndarray  # [B+1] int64
-    modes: np.ndarray  # [B] int64 pooling codes
-    normalize: np.ndarray  # [B] bool
+    modes: np.ndarray  # [O] int64 pooling codes, one per output (row, or span)
+    normalize: np.ndarray  # [O] bool
     present: frozenset[int]  # pooling codes in `modes`
+    # Late chunking: the pooled tokens' indices [P] into the batch, their spans' bounds
+    # [O+1] within those P tokens and the span of each [P]; None pools whole rows.
+    spans: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @property
     def rows(self) -> int:
-        return int(self.modes.size)
+        return int(self.cu_seqlens.size - 1)
 
     @property
     def tokens(self) -> int:
@@ -199,10 +202,15 @@ class Engine:
 
     def step(self, batch: RaggedBatch) -> LazyTensor:
         """Enqueue one pass over `batch`; returns at once with a `LazyTensor`:
-        [B, dimensions] pooled embeddings, or [B, num_labels] raw logits for cross-encoders."""
+        [B, dimensions] pooled embeddings ([S, dimensions], one per span, when the batch
+        has spans), or [B, num_labels] raw logits for cross-encoders."""
         host = self._layout(batch)
         with torch.inference_mode():
-            if self._graphs is not None and host.tokens <= self._config.max_graph_tokens:
+            if (
+                self._graphs is not None
+                and host.spans is None
+                and host.tokens <= self._config.max_graph_tokens
+            ):
                 out = self._run_graph(host)
             else:
                 out = self._run_eager(host)
@@ -243,6 +251,13 @@ class Engine:
                 [info.default_normalize if n is None else bool(n) for n in batch.normalize],
                 dtype=bool,
             )
+        spans = None
+        if batch.spans is not None and batch.span_counts is not None:
+            if cfg.classifier:
+                raise EngineError("spans are pooled by embedding models; this is a cross-encoder")
+            spans = _span_layout(cu, batch.span_counts, batch.spans)
+            modes = np.repeat(modes, batch.span_counts)
+            normalize = np.repeat(normalize, batch.span_counts)
         return _HostBatch(
             ids=ids.astype(np.int64, copy=False),
             positions=self._family.position_ids(cfg, ids, cu),
@@ -252,6 +267,7 @@ class Engine:
             modes=modes,
             normalize=normalize,
             present=present,
+            spans=spans,
         )
 
     def _forward(
@@ -265,13 +281,18 @@ class Engine:
         normalize: torch.Tensor,
         plan: Any,
         present: frozenset[int] | None,
+        spans: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The device part of a pass (graph-capturable when `present` is None)."""
+        """The device part of a pass (graph-capturable when `present` and `spans` are None)."""
         inputs = AttentionInputs(cu_seqlens=cu_seqlens, seg_ids=seg_ids)
         state = self._attention.prepare(plan, inputs)
         hidden = self._model.encoder(ids, positions, types, self._attention, state)  # [T, H]
         if self._cfg.classifier:
             return self._model.classify(hidden, cu_seqlens, seg_ids).float()  # [B, labels]
+        if spans is not None:
+            index, cu_spans, span_ids = spans
+            picked = hidden.index_select(0, index)  # [P, H]
+            return pool_ragged(picked, cu_spans, span_ids, modes, normalize, present)  # [S, H]
         return pool_ragged(hidden, cu_seqlens, seg_ids, modes, normalize, present)  # [B, H]
 
     def _run_eager(self, host: _HostBatch) -> torch.Tensor:
@@ -291,6 +312,9 @@ class Engine:
             put(host.normalize),
             plan,
             host.present,
+            None
+            if host.spans is None
+            else (put(host.spans[0]), put(host.spans[1]), put(host.spans[2])),
         )
 
     def _run_graph(self, host: _HostBatch) -> torch.Tensor:
@@ -349,3 +373,17 @@ class Engine:
     def __repr__(self) -> str:
         i = self._info
         return f"Engine({i.name!r}, {i.kind}, {i.device}/{i.dtype}, attention={self._attention.describe()})"
+
+
+def _span_layout(
+    cu_seqlens: np.ndarray, counts: np.ndarray, spans: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host layout of late chunking: the batch positions [P] of every span's tokens, the
+    spans' bounds [S+1] within those P tokens, and each picked token's span [P]."""
+    starts = np.repeat(cu_seqlens[:-1], counts) + spans[:, 0]  # [S] absolute
+    lengths = spans[:, 1] - spans[:, 0]  # [S]
+    cu_spans = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu_spans[1:])
+    span_ids = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)  # [P]
+    index = np.repeat(starts, lengths) + (np.arange(int(cu_spans[-1])) - cu_spans[span_ids])
+    return index.astype(np.int64), cu_spans, span_ids

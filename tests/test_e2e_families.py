@@ -274,3 +274,95 @@ def test_cohere_client_on_a_deberta_reranker(base: str, dirs: dict[str, Path]) -
     assert [x.index for x in got.results] == list(np.argsort(-want, kind="stable")[:2])
     for x in got.results:
         assert x.relevance_score == pytest.approx(want[x.index], abs=1e-4)
+
+
+# ---- /v1/contextualizedembeddings (late chunking) ------------------------------------------
+DOCUMENT = ["w4 w5 w6 w7", "w30 w31", "w99 w98 w97 w96 w95"]
+# The special tokens each model's tokenizer puts around a text (see `_tokenizer`).
+FRAMES = {"qwen3-bidir": ([], []), "mpnet": ([SPECIALS["[CLS]"]], [SPECIALS["[SEP]"]])}
+
+
+def _joint_span_means(path: Path, name: str, chunks: list[str]) -> np.ndarray:
+    """The reference: one forward pass of `transformers` over the whole document (the
+    model's specials around the chunks' own ids, back to back), each chunk's vector the
+    mean of its own tokens' last hidden states. [chunks, H]"""
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    head, tail = FRAMES[name]
+    pieces = [tok.encode(c, add_special_tokens=False).ids for c in chunks]
+    ids = head + [t for p in pieces for t in p] + tail
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    n = len(ids)
+    kwargs: dict[str, Any] = {}
+    if name == "qwen3-bidir":
+        kwargs["attention_mask"] = torch.zeros(1, 1, n, n)  # bidirectional: attend everywhere
+    with torch.no_grad():
+        hidden = model(input_ids=torch.tensor([ids]), **kwargs).last_hidden_state[0]
+    out, at = [], len(head)
+    for p in pieces:
+        out.append(hidden[at : at + len(p)].mean(0).numpy())
+        at += len(p)
+    return np.stack(out)
+
+
+def _contextualized(base: str, name: str, docs: list[list[str]], **extra: Any) -> httpx.Response:
+    body = {"model": name, "input": docs, **extra}
+    return httpx.post(f"{base}/v1/contextualizedembeddings", json=body, timeout=60)
+
+
+@pytest.mark.parametrize("name", ["qwen3-bidir", "mpnet"])
+def test_contextualized_embeddings_are_span_means_of_one_pass(
+    base: str, dirs: dict[str, Path], name: str
+) -> None:
+    r = _contextualized(base, name, [DOCUMENT, ["w200 w201"]], encoding_format="float")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [d["index"] for d in body["data"]] == [0, 1]
+    first = body["data"][0]["data"]
+    assert [c["index"] for c in first] == [0, 1, 2]
+    got = np.array([c["embedding"] for c in first], dtype=np.float32)
+    want = _joint_span_means(dirs[name], name, DOCUMENT)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    tokens = sum(len(c.split()) for c in DOCUMENT) + 2 + 2 * len(FRAMES[name][0] + FRAMES[name][1])
+    assert body["usage"]["prompt_tokens"] == tokens
+    # Not what the chunks give alone: each chunk saw its neighbours.
+    alone = httpx.post(
+        f"{base}/v1/embeddings", json={"model": name, "input": DOCUMENT}, timeout=60
+    ).json()["data"]
+    alone_vectors = np.array([d["embedding"] for d in alone], dtype=np.float32)
+    cos = (
+        (got * alone_vectors).sum(1)
+        / np.linalg.norm(got, axis=1)
+        / np.linalg.norm(alone_vectors, axis=1)
+    )
+    assert cos.max() < 0.999
+
+
+def test_contextualized_int8_by_default_matches_the_float_vectors(base: str) -> None:
+    import base64
+
+    floats = _contextualized(base, "qwen3-bidir", [DOCUMENT], encoding_format="float").json()
+    packed = _contextualized(base, "qwen3-bidir", [DOCUMENT], dimensions=16).json()
+    for f, p in zip(floats["data"][0]["data"], packed["data"][0]["data"], strict=True):
+        v = np.array(f["embedding"][:16], dtype=np.float64)
+        want = np.round(127 * v / np.abs(v).max()).astype(np.int8)
+        got = np.frombuffer(base64.b64decode(p["embedding"]), dtype=np.int8)
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("docs", "says"),
+    [
+        ([["w4"]] * 513, "512 documents"),
+        ([["w4"] * 16_001], "16000 chunks"),
+        ([["w4", ""]], "input"),
+        ([[" ".join(["w5"] * 130)]], "over the limit of 128 tokens per document"),
+        ([], "input"),
+        ([[]], "input"),
+    ],
+)
+def test_contextualized_limits_are_400s_naming_them(
+    base: str, docs: list[list[str]], says: str
+) -> None:
+    r = _contextualized(base, "qwen3-bidir", docs)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"]

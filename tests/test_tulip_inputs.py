@@ -62,6 +62,38 @@ def test_invalid_embed_inputs_are_named(request_: pb.EmbedRequest, message: str)
         embed_work(request_, EMBEDDER)
 
 
+def spans(rows: list[list[int]], counts: list[int], bounds: list[int]) -> pb.EmbedRequest:
+    request = embed(rows)
+    request.span_counts.extend(counts)
+    request.spans.extend(bounds)
+    return request
+
+
+def test_spans_give_one_result_row_each() -> None:
+    work, _ = embed_work(spans([[0, 5, 6, 2], [7]], [2, 1], [1, 2, 2, 3, 0, 1]), EMBEDDER)
+    assert work.span_counts is not None and work.spans is not None
+    assert work.span_counts.tolist() == [2, 1]
+    assert work.spans.tolist() == [[1, 2], [2, 3], [0, 1]]
+    assert (work.rows, work.outputs) == (2, 3)
+    plain, _ = embed_work(embed([[1], [2]]), EMBEDDER)
+    assert plain.span_counts is None and plain.outputs == 2
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (spans([[1, 2]], [1, 1], [0, 1, 1, 2]), r"span_counts: 2 counts for 1 inputs"),
+        (spans([[1, 2], [3]], [1, 0], [0, 1]), r"span_counts\[1\]: 0 spans"),
+        (spans([[1, 2]], [2], [0, 1]), r"spans: 2 values for 2 spans"),
+        (spans([[1, 2]], [1], [1, 1]), r"spans\[0\]: \[1, 1\) is not a non-empty span"),
+        (spans([[1, 2], [3]], [1, 1], [0, 2, 0, 2]), r"spans\[1\]: \[0, 2\) .* \(1 tokens\)"),
+    ],
+)
+def test_invalid_spans_are_named(request_: pb.EmbedRequest, message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        embed_work(request_, EMBEDDER)
+
+
 def test_wrong_rpc_for_the_model_kind() -> None:
     with pytest.raises(InvalidInput, match="Embed needs an embedding model"):
         embed_work(embed([[1]]), RERANKER)

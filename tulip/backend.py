@@ -137,6 +137,8 @@ class RoseBackend:
             first_segment_lengths=batch.first_segment_lengths,
             pooling=batch.pooling,
             normalize=batch.normalize,
+            span_counts=batch.span_counts,
+            spans=batch.spans,
         )
         result = self._engine.step(ragged)
         # On the CPU the rows are final when `step` returns: hand the event loop plain

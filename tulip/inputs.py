@@ -70,10 +70,19 @@ class Work:
     """uint32 [rows] for pairs (tokens of type 0), None for single sequences."""
     pooling: str | None = None
     normalize: bool | None = None
+    span_counts: np.ndarray | None = None
+    """uint32 [rows], spans pooled per input (late chunking); None: one vector per input."""
+    spans: np.ndarray | None = None
+    """uint32 [spans, 2], each span's [start, end) within its input; None with span_counts."""
 
     @property
     def rows(self) -> int:
         return int(self.lengths.size)
+
+    @property
+    def outputs(self) -> int:
+        """Result rows the request gets: one per span, or one per input."""
+        return self.rows if self.span_counts is None else int(self.span_counts.sum())
 
     @property
     def tokens(self) -> int:
@@ -206,13 +215,49 @@ def embed_work(request: pb.EmbedRequest, limits: ModelLimits) -> tuple[Work, Emb
         )
     ids, lengths = _token_batch(request.inputs, "inputs", limits)
     normalize = _NORMALIZE[request.normalize]
-    work = Work(ids=ids, lengths=lengths, pooling=_POOLING[request.pooling], normalize=normalize)
+    counts, spans = _spans(request, lengths)
+    work = Work(
+        ids=ids,
+        lengths=lengths,
+        pooling=_POOLING[request.pooling],
+        normalize=normalize,
+        span_counts=counts,
+        spans=spans,
+    )
     options = EmbedOptions(
         dimensions=request.dimensions or limits.dimensions,
         normalize=limits.default_normalize if normalize is None else normalize,
         dtype=request.dtype,
     )
     return work, options
+
+
+def _spans(
+    request: pb.EmbedRequest, lengths: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
+    """The request's late-chunking spans, checked against its inputs (None, None: none)."""
+    if not len(request.span_counts) and not len(request.spans):
+        return None, None
+    counts = np.asarray(request.span_counts, dtype=np.uint32)
+    if counts.size != lengths.size:
+        raise InvalidInput(f"span_counts: {counts.size} counts for {lengths.size} inputs")
+    if counts.min() == 0:
+        raise InvalidInput(f"span_counts[{int(np.flatnonzero(counts == 0)[0])}]: 0 spans")
+    flat = np.asarray(request.spans, dtype=np.int64)
+    if flat.size != 2 * int(counts.sum(dtype=np.int64)):
+        raise InvalidInput(
+            f"spans: {flat.size} values for {int(counts.sum(dtype=np.int64))} spans (two per span)"
+        )
+    spans = flat.reshape(-1, 2)
+    row_lengths = np.repeat(lengths.astype(np.int64), counts)
+    bad = np.flatnonzero((spans[:, 1] <= spans[:, 0]) | (spans[:, 1] > row_lengths))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidInput(
+            f"spans[{i}]: [{int(spans[i, 0])}, {int(spans[i, 1])}) is not a non-empty span "
+            f"of its input ({int(row_lengths[i])} tokens)"
+        )
+    return counts, spans.astype(np.uint32)
 
 
 def score_work(request: pb.ScoreRequest, limits: ModelLimits) -> tuple[Work, str]:

@@ -54,10 +54,19 @@ class BatchInputs:
     first_segment_lengths: np.ndarray | None
     pooling: list[str | None] | None
     normalize: list[bool | None] | None
+    span_counts: np.ndarray | None = None
+    """[rows] spans per input when any request has spans (others count one whole-input span)."""
+    spans: np.ndarray | None = None
+    """[spans, 2] [start, end) of each span within its input."""
 
     @property
     def rows(self) -> int:
         return int(self.lengths.size)
+
+    @property
+    def outputs(self) -> int:
+        """Result rows of the batch: one per span, or one per input."""
+        return self.rows if self.span_counts is None else int(self.span_counts.sum())
 
     @property
     def tokens(self) -> int:
@@ -149,6 +158,8 @@ class _Flight:
     rows: int
     tokens: int
     submitted: float
+    outputs: int
+    """Result rows expected: one per input, or one per span."""
     task: asyncio.Future[np.ndarray]
     started: float | None = None
     """When the engine began this batch: its submission, or the previous batch's end."""
@@ -397,6 +408,7 @@ class Scheduler:
             rows=rows,
             tokens=tokens,
             submitted=submitted,
+            outputs=sum(job.work.outputs for job in jobs),
             task=task,
             started=submitted if previous is None else None,
         )
@@ -415,8 +427,8 @@ class Scheduler:
             self._fail_or_isolate(flight.jobs, failure)
             return
         output = flight.task.result()
-        if output.shape[0] != flight.rows:
-            failure = EngineFailed(f"engine returned {output.shape[0]} rows for {flight.rows}")
+        if output.shape[0] != flight.outputs:
+            failure = EngineFailed(f"engine returned {output.shape[0]} rows for {flight.outputs}")
             for job in flight.jobs:
                 if not job.future.done():
                     job.future.set_exception(failure)
@@ -424,7 +436,7 @@ class Scheduler:
         inference_us = int((ended - started) * 1e6)
         offset = 0
         for job in flight.jobs:
-            rows = job.work.rows
+            rows = job.work.outputs
             queue_s = started - job.admitted
             self._metrics.queue_seconds.observe(queue_s)
             if not job.future.done():  # a client that left after submission gets nothing
@@ -506,6 +518,28 @@ def _assemble(jobs: list[_Job]) -> BatchInputs:
     if any(w.pooling is not None or w.normalize is not None for w in works):
         pooling = [w.pooling for w in works for _ in range(w.rows)]
         normalize = [w.normalize for w in works for _ in range(w.rows)]
+    span_counts = spans = None
+    if any(w.span_counts is not None for w in works):
+        span_counts = np.concatenate(
+            [
+                w.span_counts if w.span_counts is not None else np.ones(w.rows, dtype=np.uint32)
+                for w in works
+            ]
+        )
+        spans = np.concatenate(
+            [
+                w.spans
+                if w.spans is not None
+                else np.stack([np.zeros(w.rows, dtype=np.uint32), w.lengths], axis=1)
+                for w in works
+            ]
+        )
     return BatchInputs(
-        ids=ids, lengths=lengths, first_segment_lengths=first, pooling=pooling, normalize=normalize
+        ids=ids,
+        lengths=lengths,
+        first_segment_lengths=first,
+        pooling=pooling,
+        normalize=normalize,
+        span_counts=span_counts,
+        spans=spans,
     )

@@ -128,18 +128,22 @@ class Timing(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., inference_us: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("inputs", "pooling", "normalize", "dimensions", "dtype")
+    __slots__ = ("inputs", "pooling", "normalize", "dimensions", "dtype", "span_counts", "spans")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SPAN_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SPANS_FIELD_NUMBER: _ClassVar[int]
     inputs: TokenBatch
     pooling: Pooling
     normalize: Normalize
     dimensions: int
     dtype: DType
-    def __init__(self, inputs: _Optional[_Union[TokenBatch, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[_Union[Normalize, str]] = ..., dimensions: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    span_counts: _containers.RepeatedScalarFieldContainer[int]
+    spans: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, inputs: _Optional[_Union[TokenBatch, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[_Union[Normalize, str]] = ..., dimensions: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., span_counts: _Optional[_Iterable[int]] = ..., spans: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
     __slots__ = ("embeddings", "prompt_tokens", "timing")
