@@ -19,6 +19,7 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ATTENTION_MODES = ("auto", "causal", "bidirectional")
 _SPEC_METHODS = ("none", "ngram", "draft", "mtp")
+_RUNNERS = ("auto", "generate", "pooling")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
@@ -57,6 +58,10 @@ class TulipConfig:
     max_queue_seconds: float = 1.0
     """Admission by time: refuse (RESOURCE_EXHAUSTED) work that would wait longer than this
     for the engine, by the engine's measured speed; 0 turns the time bound off."""
+    runner: str = "auto"
+    """How the model is served (vLLM's ``--runner``): ``generate`` (a decoder: chat and
+    completions), ``pooling`` (an encoder: embeddings, scores) or ``auto``, which reads the
+    model directory (`tulip.generation.is_generator`)."""
     cuda_graphs: bool = True
     attention_mode: str = "auto"
     """Encoders: ``auto`` (what the model directory says), ``causal`` or ``bidirectional``
@@ -108,6 +113,8 @@ class TulipConfig:
                 raise ConfigError(f"{key} must be in [{low}, 65535], got {value}")
         if not _DEVICE.match(self.device):
             raise ConfigError(f"--device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.runner not in _RUNNERS:
+            raise ConfigError(f"--runner must be one of {', '.join(_RUNNERS)}, got {self.runner!r}")
         if self.attention_mode not in _ATTENTION_MODES:
             raise ConfigError(
                 f"--attention-mode must be one of {', '.join(_ATTENTION_MODES)}, "
@@ -244,6 +251,11 @@ def _parser() -> argparse.ArgumentParser:
         "--max-queue-seconds",
         type=float,
         help="refuse work that would wait longer than this for the engine, 0: no bound (default 2)",
+    )
+    add(
+        "--runner",
+        help="auto (by the model directory) | generate (chat, completions) | pooling "
+        "(embeddings, scores)",
     )
     add(
         "--attention-mode",

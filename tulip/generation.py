@@ -47,14 +47,22 @@ if TYPE_CHECKING:
     from rose.generate import GenerationEngine, StepOutput
 
 __all__ = [
+    "CAUSAL_LM_ARCHITECTURES",
     "GENERATOR_MODEL_TYPES",
     "GenerationBackend",
     "GenerationStream",
     "is_generator",
 ]
 
-GENERATOR_MODEL_TYPES = frozenset({"llama", "qwen2"})
-"""config.json ``model_type`` values served as generators (`rose.models.llama`)."""
+CAUSAL_LM_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""config.json ``model_type`` → the architecture its generators declare (`rose.models.llama`)."""
+
+GENERATOR_MODEL_TYPES = frozenset(CAUSAL_LM_ARCHITECTURES)
+"""config.json ``model_type`` values that can be served as generators."""
 
 _FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH}
 _WARMUP_TOKENS = 2
@@ -63,10 +71,30 @@ _JOIN_SECONDS = 10.0
 log = logging.getLogger("tulip")
 
 
-def is_generator(model_dir: Path) -> bool:
-    """Whether the model directory holds a decoder that `GenerationBackend` serves."""
+def is_generator(model_dir: Path, runner: str = "auto") -> bool:
+    """Whether the model directory is served by `GenerationBackend` (else by the encoder
+    `tulip.backend.RoseBackend`: embeddings, scores). The one place this is decided.
+
+    ``runner`` (``--runner``) "generate" or "pooling" decides. "auto" reads the directory:
+    a generator has a decoder ``model_type`` (`GENERATOR_MODEL_TYPES`), declares its causal
+    LM in ``architectures`` (llama and qwen2, which no encoder family reads, may declare
+    nothing), and has no sentence-transformers ``modules.json``. The same
+    ``Qwen3ForCausalLM`` name is shipped by Qwen3-Embedding (modules.json with a Pooling
+    module) and Qwen3-Reranker (modules.json ending in a LogitScore module,
+    `rose.loading.read_logit_score`): both stay encoders, as do ``Qwen3Model`` and
+    ``Qwen3ForSequenceClassification`` directories."""
+    if runner != "auto":
+        return runner == "generate"
     raw = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    return raw.get("model_type") in GENERATOR_MODEL_TYPES
+    model_type = raw.get("model_type")
+    if model_type not in CAUSAL_LM_ARCHITECTURES:
+        return False
+    if (model_dir / "modules.json").exists():
+        return False
+    architectures = raw.get("architectures") or []
+    if not architectures:
+        return model_type in ("llama", "qwen2")
+    return list(architectures) == [CAUSAL_LM_ARCHITECTURES[model_type]]
 
 
 class _Request:

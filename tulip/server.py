@@ -5,7 +5,8 @@ Life of the process:
 1. metrics endpoint and gRPC server start; health says NOT_SERVING;
 2. the model loads (in a thread) and runs a warm-up batch; health says SERVING. An
    encoder (embedding / cross-encoder) is served through the batching `Scheduler`; a
-   decoder (config.json ``model_type`` llama or qwen2) through `GenerationBackend`;
+   decoder (Llama, Qwen2, Qwen3 causal LMs: `tulip.generation.is_generator`, or
+   ``--runner generate``) through `GenerationBackend`;
 3. on SIGTERM/SIGINT health says NOT_SERVING, new work is refused (UNAVAILABLE), queued
    and in-flight work completes within ``drain_seconds``; the process exits 0.
 """
@@ -43,12 +44,16 @@ log = logging.getLogger("tulip")
 
 
 def load_backend(config: TulipConfig) -> RoseBackend | GenerationBackend:
-    """Load `config.model` as a generator or an encoder, by its config.json; blocking."""
+    """Load `config.model` as a generator or an encoder (``--runner``, else by the model
+    directory: `is_generator`); blocking."""
     model_dir = resolve_model_dir(config.model)
-    if is_generator(model_dir):
+    if is_generator(model_dir, config.runner):
         return GenerationBackend.load(config, model_dir)
     if config.spec != "none":
-        raise ConfigError(f"--spec {config.spec}: {model_dir.name} is not a generator model")
+        raise ConfigError(
+            f"--spec {config.spec}: {model_dir.name} is served for pooling, not generation "
+            "(--runner generate serves a causal LM as a generator)"
+        )
     return RoseBackend.load(config)
 
 

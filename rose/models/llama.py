@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, SmolLM2, Qwen2-style q/k/v bias) on a paged KV cache.
+"""Llama-family decoder (Llama, SmolLM2, Qwen2's q/k/v bias, Qwen3's q/k norm) on a paged
+KV cache.
 
 Plain PyTorch in the gpt-fast manner: a frozen config built from config.json, small
 modules, shape comments, and weights loaded through an explicit name map whose key set
@@ -47,7 +48,7 @@ __all__ = [
     "weight_name_map",
 ]
 
-_SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+_SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 log = logging.getLogger("rose.models.llama")
 
@@ -81,6 +82,7 @@ class LlamaConfig:
     qkv_bias: bool = False  # Qwen2: True; Llama: config.attention_bias
     o_bias: bool = False  # Llama: config.attention_bias; Qwen2: False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm of q and k before RoPE
     max_position_embeddings: int = 2048
     model_type: str = "llama"
     eos_token_ids: tuple[int, ...] = ()
@@ -120,6 +122,11 @@ class LlamaConfig:
             raise ValueError(f"config.hidden_act {act!r} unsupported (only 'silu')")
         if d.get("use_sliding_window"):
             raise ValueError("config.use_sliding_window=true is unsupported")
+        layer_types = d.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types):
+            raise ValueError(
+                f"config.layer_types {sorted(set(layer_types))} unsupported (only 'full_attention')"
+            )
         heads = int(d["num_attention_heads"])
         # transformers >= 5 nests rope settings in rope_parameters; older files keep
         # rope_theta at top level and scaling in rope_scaling.
@@ -140,6 +147,9 @@ class LlamaConfig:
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
         attention_bias = bool(d.get("attention_bias", False))
         is_qwen2 = model_type == "qwen2"
+        is_qwen3 = model_type == "qwen3"
+        # transformers' Qwen3 default head_dim is 128, not hidden_size // heads
+        head_dim = d.get("head_dim") or (128 if is_qwen3 else int(d["hidden_size"]) // heads)
         return LlamaConfig(
             vocab_size=int(d["vocab_size"]),
             hidden_size=int(d["hidden_size"]),
@@ -147,7 +157,7 @@ class LlamaConfig:
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+            head_dim=int(head_dim),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -155,6 +165,7 @@ class LlamaConfig:
             qkv_bias=True if is_qwen2 else attention_bias,
             o_bias=False if is_qwen2 else attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=is_qwen3,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             model_type=model_type,
             eos_token_ids=eos_ids,
@@ -267,6 +278,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
         self.wv = nn.Linear(h, self.n_kv * d, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * d, h, bias=cfg.o_bias)
+        # Qwen3: RMSNorm over each head's D features of q and of k (weights [D]), before RoPE
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.wqkv: nn.Module | None = None  # set by `fuse_qkv`
 
     def fuse_qkv(self) -> None:
@@ -289,11 +303,17 @@ class Attention(nn.Module):
         if self.wqkv is not None:  # q and k side by side: one rotation for both
             d_qk = (self.n_heads + self.n_kv) * self.head_dim
             qk, v = self.wqkv(x).split([d_qk, self.n_kv * self.head_dim], dim=-1)
-            qk = apply_rope(qk.view(t, self.n_heads + self.n_kv, self.head_dim), cos, sin)
+            qk = qk.view(t, self.n_heads + self.n_kv, self.head_dim)  # [T, Hq + Hkv, D]
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = qk.split([self.n_heads, self.n_kv], dim=1)
+                qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)  # [T, Hq + Hkv, D]
+            qk = apply_rope(qk, cos, sin)
             q, k = qk.split([self.n_heads, self.n_kv], dim=1)  # [T, Hq, D], [T, Hkv, D]
         else:
             q = self.wq(x).view(t, self.n_heads, self.head_dim)  # [T, Hq, D]
             k = self.wk(x).view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = self.wv(x)
         v = v.view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
@@ -475,7 +495,7 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         packed: bool = True,
     ) -> LlamaForCausalLM:
-        """Load a Hugging Face Llama/Qwen2 directory (config.json + *.safetensors) for
+        """Load a Hugging Face Llama/Qwen2/Qwen3 directory (config.json + *.safetensors) for
         inference (no gradients); packed: on CPU, `pack_weights` right away."""
         path = Path(path)
         cfg = LlamaConfig.from_file(path / "config.json")
@@ -519,6 +539,9 @@ def weight_name_map(cfg: LlamaConfig) -> dict[str, str]:
                 m[f"{src}self_attn.{hf}.bias"] = f"{dst}attention.{ours}.bias"
         if cfg.o_bias:
             m[f"{src}self_attn.o_proj.bias"] = f"{dst}attention.wo.bias"
+        if cfg.qk_norm:
+            m[src + "self_attn.q_norm.weight"] = dst + "attention.q_norm.weight"
+            m[src + "self_attn.k_norm.weight"] = dst + "attention.k_norm.weight"
         for hf, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
             m[f"{src}mlp.{hf}.weight"] = f"{dst}mlp.{ours}.weight"
             if cfg.mlp_bias:
