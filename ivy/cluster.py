@@ -1,6 +1,7 @@
 """`trellis up`: a local cluster of Tulip replicas behind one Ivy gateway.
 
-Pulls the model if needed, gives each replica every core (see `ClusterConfig`), starts
+Resolves the model once (a directory, a bundled asset, or a Hub id ``owner/name[@revision]``
+downloaded through `rose.hub`), gives each replica every core (see `ClusterConfig`), starts
 every process, waits until Ivy reports ready, prints example requests, and on Ctrl-C or
 SIGTERM drains and stops everything (Ivy first so no new work arrives, then replicas).
 """
@@ -49,7 +50,7 @@ class ClusterConfig:
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("model: must name an asset or a model directory")
+            raise ValueError("model: must name a model directory, an asset or a Hub id")
         if self.replicas < 1:
             raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
         if not 0 <= self.port <= 65535:
@@ -66,16 +67,6 @@ class ClusterConfig:
             return self.threads_per_replica
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         return max(1, cores or 1)
-
-
-def resolve_model(model: str) -> tuple[str, Path]:
-    """(served name, directory) for an asset name or a model directory."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path.resolve().name, path.resolve()
-    from rose.assets import ensure_model
-
-    return model, Path(ensure_model(model))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -166,8 +157,12 @@ class Cluster:
         return proc
 
     def start(self) -> None:
+        from rose.hub import resolve_model
+
         cfg = self.config
-        self.name, self.directory = resolve_model(cfg.model)
+        # Resolved (and downloaded) once here: replicas and Ivy get the directory.
+        model = resolve_model(cfg.model)
+        self.name, self.directory = model.name, model.path
         self.replica_addresses = [f"127.0.0.1:{free_port()}" for _ in range(cfg.replicas)]
         self.replica_metrics_ports = [free_port() for _ in range(cfg.replicas)]
         for i in range(cfg.replicas):
@@ -285,6 +280,8 @@ Metrics: {base}/metrics   API: {base}/docs   Stop: Ctrl-C
 
 
 def run(config: ClusterConfig) -> int:
+    from rose.hub import ModelSpecError
+
     cluster = Cluster(config)
     stop = threading.Event()
 
@@ -294,7 +291,11 @@ def run(config: ClusterConfig) -> int:
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         print(f"trellis up: preparing model {config.model} ...", flush=True)
-        cluster.start()
+        try:
+            cluster.start()
+        except ModelSpecError as exc:
+            print(f"trellis up: {exc}", file=sys.stderr, flush=True)
+            return 2
         print(
             f"trellis up: {config.replicas} Tulip replica(s) x {config.threads()} thread(s) "
             f"at {', '.join(cluster.replica_addresses)}; Ivy on {cluster.base_url}",
@@ -344,7 +345,11 @@ def run(config: ClusterConfig) -> int:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("up", help="start a local cluster (Tulip replicas + Ivy)")
-    parser.add_argument("--model", default=_DEFAULT_MODEL, help="asset name or HF model directory")
+    parser.add_argument(
+        "--model",
+        default=_DEFAULT_MODEL,
+        help="model directory, asset name or Hub id owner/name[@revision]",
+    )
     parser.add_argument(
         "--replicas",
         type=int,

@@ -4,6 +4,12 @@ Every flag ``--some-flag`` can also be given as ``IVY_SOME_FLAG``; a flag on the
 line wins over the environment. Repeatable flags (``--model``, ``--replicas``,
 ``--replicas-dns``) take semicolon-separated entries in the environment, e.g.
 ``IVY_MODEL="e5=/models/e5;minilm=/models/minilm"``.
+
+A ``--model [NAME=]MODEL`` names a model directory, a bundled asset or a Hub id
+``owner/name[@revision]``; it is resolved (and downloaded) once, here, by
+`rose.hub.resolve_model`, so `IvyConfig.models` and the workers hold directories only.
+Without ``NAME=`` the model is served under the name it resolves to (a Hub id without its
+revision, an asset's name, a directory's basename).
 """
 
 from __future__ import annotations
@@ -100,7 +106,7 @@ class IvyConfig:
         if self.workers < 1:
             raise ConfigError("workers", f"must be >= 1, got {self.workers}")
         if not self.models:
-            raise ConfigError("model", "at least one --model NAME=DIR is required")
+            raise ConfigError("model", "at least one --model [NAME=]MODEL is required")
         for name, directory in self.models.items():
             if not name:
                 raise ConfigError("model", "model name must not be empty")
@@ -212,6 +218,30 @@ def _pairs(key: str, entries: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def _models(entries: Sequence[str]) -> dict[str, str]:
+    """``[NAME=]MODEL`` entries -> served name -> model directory (`rose.hub`)."""
+    from rose.hub import ModelSpecError, resolve_model
+
+    out: dict[str, str] = {}
+    for entry in entries:
+        name, sep, spec = entry.partition("=")
+        if not sep:
+            name, spec = "", entry
+        elif not name.strip():
+            raise ConfigError("model", f"{entry!r}: model name must not be empty")
+        if not spec.strip():
+            raise ConfigError("model", f"{entry!r} is not [NAME=]MODEL")
+        try:
+            model = resolve_model(spec.strip())
+        except ModelSpecError as exc:
+            raise ConfigError("model", str(exc)) from None
+        name = name.strip() or model.name
+        if name in out:
+            raise ConfigError("model", f"{name!r} given twice")
+        out[name] = str(model.path)
+    return out
+
+
 def _boolean(key: str, raw: str) -> bool:
     text = raw.strip().lower()
     if text in ("1", "true", "yes", "on"):
@@ -226,7 +256,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host")
     parser.add_argument("--port", type=int)
     parser.add_argument("--workers", type=int, help="uvicorn worker processes")
-    parser.add_argument("--model", action="append", metavar="NAME=DIR", help="served model")
+    parser.add_argument(
+        "--model",
+        action="append",
+        metavar="[NAME=]MODEL",
+        help="served model: a directory, an asset name or a Hub id owner/name[@revision]",
+    )
     parser.add_argument("--replicas", action="append", metavar="NAME=HOST:PORT,...")
     parser.add_argument("--replicas-dns", action="append", metavar="NAME=DNS:PORT")
     parser.add_argument("--dns-refresh-seconds", type=float)
@@ -322,7 +357,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Iv
         if not entries and environ.get(f"IVY_{key.upper()}"):
             entries = [e for e in environ[f"IVY_{key.upper()}"].split(";") if e.strip()]
         lists[key] = list(entries or [])
-    values["models"] = _pairs("model", lists["model"])
+    values["models"] = _models(lists["model"])
     values["replicas"] = {
         name: tuple(a.strip() for a in value.split(",") if a.strip())
         for name, value in _pairs("replicas", lists["replicas"]).items()

@@ -12,12 +12,11 @@ stays importable and testable without them.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Awaitable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +25,9 @@ from tulip.config import TulipConfig
 from tulip.inputs import ModelLimits
 from tulip.scheduler import BatchInputs
 from tulip.service import ServedModel
+
+if TYPE_CHECKING:
+    from rose.hub import ResolvedModel
 
 __all__ = ["RoseBackend", "resolve_model_dir"]
 
@@ -41,15 +43,10 @@ _GPU_BATCH_TOKENS = 16384
 
 
 def resolve_model_dir(model: str) -> Path:
-    """A directory is used as is; anything else is an asset name for `rose.assets`."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path.resolve()
-    if os.sep in model or model.startswith("."):
-        raise FileNotFoundError(f"--model: directory {model!r} does not exist")
-    from rose.assets import ensure_model
+    """The model directory of a spec (directory, asset name or Hub id): `rose.hub`'s."""
+    from rose.hub import resolve_model
 
-    return Path(ensure_model(model))
+    return resolve_model(model).path
 
 
 class RoseBackend:
@@ -88,15 +85,18 @@ class RoseBackend:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tulip-engine")
 
     @classmethod
-    def load(cls, config: TulipConfig) -> RoseBackend:
-        """Resolve, load and return the engine for `config` (blocking; run it in a thread)."""
+    def load(cls, config: TulipConfig, model: ResolvedModel | None = None) -> RoseBackend:
+        """Load and return the engine for `config` (blocking; run it in a thread); resolves
+        `config.model` unless `model` is that resolution already."""
         import torch
 
         from rose import Engine, EngineConfig
+        from rose.hub import resolve_model
 
         if config.threads is not None:
             torch.set_num_threads(config.threads)
-        model_dir = resolve_model_dir(config.model)
+        model = model or resolve_model(config.model)
+        model_dir = model.path
         device = config.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -110,7 +110,7 @@ class RoseBackend:
                 attention_mode=config.attention_mode,
             ),
         )
-        return cls(engine, config.model_name or model_dir.name, engine.info.token_types)
+        return cls(engine, config.model_name or model.name, engine.info.token_types)
 
     @property
     def default_batch_tokens(self) -> int:

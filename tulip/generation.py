@@ -198,11 +198,11 @@ class GenerationBackend:
         import torch
 
         from rose.generate import GenerationConfig, GenerationEngine
+        from rose.hub import resolve_model
         from rose.kv.allocator import KVCacheConfig
         from rose.models.llama import LlamaForCausalLM
         from rose.spec import SpecConfig, truncated_drafter
         from rose.spec.mtp import MTPHead
-        from tulip.backend import resolve_model_dir
 
         if config.threads is not None:
             torch.set_num_threads(config.threads)
@@ -225,7 +225,7 @@ class GenerationBackend:
                 )
             drafter = truncated_drafter(model, config.draft_layers)
         elif config.spec == "draft":
-            draft_dir = resolve_model_dir(config.draft_model)
+            draft_dir = resolve_model(config.draft_model).path
             drafter = LlamaForCausalLM.from_pretrained(draft_dir, dtype=dtype, device=device)
         elif config.spec == "mtp":
             head = MTPHead.load(config.mtp_head, dtype=dtype).to(device)

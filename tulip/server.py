@@ -14,6 +14,7 @@ Life of the process:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -26,7 +27,8 @@ from grpc_health.v1.health import aio as health_aio
 from protos.grpc_options import SERVER_OPTIONS
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
-from tulip.backend import RoseBackend, resolve_model_dir
+from rose.hub import resolve_model
+from tulip.backend import RoseBackend
 from tulip.config import ConfigError, TulipConfig
 from tulip.generation import GenerationBackend, is_generator
 from tulip.metrics import Metrics
@@ -46,15 +48,17 @@ log = logging.getLogger("tulip")
 def load_backend(config: TulipConfig) -> RoseBackend | GenerationBackend:
     """Load `config.model` as a generator or an encoder (``--runner``, else by the model
     directory: `is_generator`); blocking."""
-    model_dir = resolve_model_dir(config.model)
+    model = resolve_model(config.model)  # a directory, an asset name or a Hub id
+    model_dir = model.path
+    config = dataclasses.replace(config, model_name=config.model_name or model.name)
     if is_generator(model_dir, config.runner):
         return GenerationBackend.load(config, model_dir)
     if config.spec != "none":
         raise ConfigError(
-            f"--spec {config.spec}: {model_dir.name} is served for pooling, not generation "
+            f"--spec {config.spec}: {model.name} is served for pooling, not generation "
             "(--runner generate serves a causal LM as a generator)"
         )
-    return RoseBackend.load(config)
+    return RoseBackend.load(config, model)
 
 
 async def serve(
