@@ -146,14 +146,19 @@ def _download(spec: str, repo_id: str, revision: str | None) -> Path:
 
 
 def _repo_files(api: Any, repo_id: str, revision: str | None) -> list[str] | None:
-    """The repo's file names, or None when the Hub cannot be asked (offline, unreachable)."""
+    """The repo's file names, or None when the Hub cannot be asked (offline, unreachable,
+    failing): then the cache answers, as snapshot_download falls back to it too."""
     import httpx2
-    from huggingface_hub.errors import OfflineModeIsEnabled
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
     try:
         info = api.model_info(repo_id, revision=revision)
     except (OfflineModeIsEnabled, httpx2.ConnectError, httpx2.TimeoutException):
         return None
+    except HfHubHTTPError as exc:
+        if (_status(exc) or 0) >= 500:
+            return None
+        raise
     return [sibling.rfilename for sibling in info.siblings or ()]
 
 

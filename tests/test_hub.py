@@ -124,6 +124,8 @@ class FakeHub:
     repos: dict[str, dict[str, str]]  # repo id -> branch -> commit sha
     commits: dict[str, dict[str, bytes]]  # commit sha -> path -> content
     token: str | None = None  # when set, every request needs "Authorization: Bearer <token>"
+    gated: bool = False  # when set, every request is refused as the Hub refuses a gated repo
+    failing: bool = False  # when set, every request gets a 500 (the Hub is down)
     seen: list[tuple[str, str, str | None]] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
 
@@ -160,6 +162,12 @@ class FakeHub:
         self.seen.append((req.command, req.path, auth))
         if self.token is not None and auth != f"Bearer {self.token}":
             return _send(req, 401, {"error": "Invalid username or password."}, body)
+        if self.failing:
+            return _send(req, 500, {"error": "Internal Error"}, body)
+        if self.gated:
+            return _send(
+                req, 403, {"error": "Access to this model is restricted."}, body, "GatedRepo"
+            )
         path = urllib.parse.urlsplit(req.path).path
         parts = [urllib.parse.unquote(p) for p in path.strip("/").split("/")]
         if parts[:2] == ["api", "models"] and len(parts) == 4:  # no revision: the default
@@ -353,6 +361,15 @@ def test_token_required_says_set_hf_token_and_hf_token_passes(hub: FakeHub, tmp_
     assert hub.seen and all(auth == f"Bearer {TOKEN}" for _, _, auth in hub.seen)
 
 
+def test_gated_repo_says_accept_and_set_hf_token(hub: FakeHub, tmp_path: Path) -> None:
+    hub.gated = True
+    got = _resolve(REPO, _hub_env(tmp_path, hub.url, HF_TOKEN=TOKEN))
+    assert got["error"] == (
+        f"{REPO}: {REPO} is a gated repository on {hub.url}: accept its conditions on the Hub "
+        "and set HF_TOKEN to a token of an account with access"
+    )
+
+
 def test_offline_uses_the_cache_without_the_server(
     hub: FakeHub, sources: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -365,6 +382,17 @@ def test_offline_uses_the_cache_without_the_server(
     assert _resolve(f"{REPO}@v1", _hub_env(tmp_path, hub.url, HF_HUB_OFFLINE="1")) == pinned
     assert hub.seen == []
     np.testing.assert_array_equal(_embed(Path(offline["path"])), _embed(sources["main"]))
+
+
+def test_a_failing_hub_falls_back_to_the_cache(hub: FakeHub, tmp_path: Path) -> None:
+    online = _resolve(REPO, _hub_env(tmp_path, hub.url))
+    hub.failing = True
+    assert _resolve(REPO, _hub_env(tmp_path, hub.url)) == online
+    empty = _resolve(REPO, _hub_env(tmp_path / "empty", hub.url))
+    assert empty["error"] == (
+        f"{REPO}: cannot reach {hub.url} and the model is not in the cache at "
+        f"{tmp_path / 'empty' / 'hub'}"
+    )
 
 
 def test_offline_with_an_empty_cache_says_so(tmp_path: Path) -> None:
