@@ -24,6 +24,11 @@ Rerankers are cross-encoders with one logit per row, read at the row's last toke
       ``head.weight = W[yes] - W[no]``.
   ``Qwen3ForSequenceClassification`` (e.g. a Qwen3-Reranker converted to that one logit):
       its ``score`` layer.
+
+A ``Qwen3ForCausalLM`` directory without sentence-transformers modules is a chat model,
+not an encoder: it generates on `rose.models.llama`'s paged-KV decoder (whose q/k norm is
+Qwen3's), and Tulip decides which use a directory gets (`tulip.generation.is_generator`,
+``--runner``).
 """
 
 from __future__ import annotations
@@ -57,7 +62,9 @@ __all__ = [
 # architecture in config.json → has a classification head (scored at the last token)
 ARCHITECTURES: dict[str, bool] = {
     "Qwen3Model": False,
-    "Qwen3ForCausalLM": False,  # Qwen3-Embedding ships this name with Qwen3Model weights
+    # Qwen3-Embedding ships this name with Qwen3Model weights (generators, under the same
+    # name, load in rose.models.llama)
+    "Qwen3ForCausalLM": False,
     "PPLXQwen3Model": False,  # pplx-embed
     "Qwen3ForSequenceClassification": True,
 }

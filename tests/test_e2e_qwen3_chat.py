@@ -1,0 +1,289 @@
+"""A Qwen3 decoder chats end to end: real Tulip processes behind one real Ivy.
+
+A tiny random ``Qwen3ForCausalLM`` (tied head, explicit head_dim, no sentence-transformers
+modules: Tulip's runner decision makes it a generator), saved with `transformers`, with a
+byte-level BPE ``tokenizer.json`` built here with HF `tokenizers` and a ChatML
+``chat_template``. Served twice (plain greedy, and ``--spec ngram``), `/v1/chat/completions`
+non-streaming, streaming and through the `openai` client equals `transformers` greedy
+``generate`` on the ids `transformers`' own chat template gives; Tulip's Generate stream
+returns exactly `transformers`' token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from ivy.cluster import free_port
+from protos.trellis.v1 import inference_pb2 as pb
+from tulip.client import TulipClient
+from tulip.process import TulipProcess
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "What is 2 + 2? It is 4.",
+    "Hello, world! Ünïcödé – 日本語 text.",
+    "def add(a, b): return a + b",
+]
+CHATS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [
+        {"role": "system", "content": "You are a fox."},
+        {"role": "user", "content": "Jump over the lazy dog, then say hello."},
+    ],
+    [
+        {"role": "user", "content": "def add(a, b):"},
+        {"role": "assistant", "content": "return a + b"},
+        {"role": "user", "content": "Again: def add(a, b): return a + b"},
+    ],
+]
+MAX_TOKENS = 24
+NAMES = ("qwen3", "qwen3-ngram")
+
+
+def _tokenizer(path: Path) -> int:
+    """A byte-level BPE tokenizer.json and a ChatML tokenizer_config.json; returns the
+    vocabulary size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": CHATML,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "model_max_length": 512,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("qwen3-chat")
+    vocab = _tokenizer(path)
+    torch.manual_seed(7)
+    config = transformers.Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=SPECIALS.index("<|im_end|>"),
+        pad_token_id=SPECIALS.index("<|endoftext|>"),
+    )
+    model = transformers.Qwen3ForCausalLM(config)
+    with torch.no_grad():  # larger than HF's init: attention far from uniform
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+        # a likelier EOS (tied head: its logit grows with its embedding's length): two of
+        # CHATS' answers stop on it, one runs into max_tokens
+        model.model.embed_tokens.weight[config.eos_token_id] *= 1.5
+    model.save_pretrained(path, safe_serialization=True)
+    assert not (path / "modules.json").exists()
+    return path
+
+
+class Oracle:
+    """`transformers` in this process: its chat template and its greedy continuations."""
+
+    def __init__(self, path: Path) -> None:
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        self.eos = int(self.model.generation_config.eos_token_id)
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        return list(out["input_ids"] if "input_ids" in out else out)
+
+    def greedy(self, ids: list[int]) -> tuple[list[int], str, str]:
+        """(new ids without the EOS, text, finish reason) of greedy decoding from ids."""
+        with torch.no_grad():
+            out = self.model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                pad_token_id=self.eos,
+            )
+        new = out[0, len(ids) :].tolist()
+        finish = "length"
+        if self.eos in new:
+            new, finish = new[: new.index(self.eos)], "stop"
+        return new, self.tokenizer.decode(new, skip_special_tokens=True), finish
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir: Path) -> Oracle:
+    return Oracle(model_dir)
+
+
+@pytest.fixture(scope="module")
+def want(oracle: Oracle) -> list[tuple[list[int], str, str]]:
+    answers = [oracle.greedy(oracle.chat_ids(chat)) for chat in CHATS]
+    assert all(text.strip() for _, text, _ in answers)  # every answer has visible text
+    assert {finish for _, _, finish in answers} == {"stop", "length"}
+    return answers
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, dict[str, str]]]:
+    """(Ivy's base URL, served name → Tulip's gRPC target)."""
+    logs = tmp_path_factory.mktemp("qwen3-chat-logs")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    common = ["--model", str(model_dir), "--device", "cpu", "--threads", "1"]
+    tulips = {
+        "qwen3": TulipProcess(
+            [*common, "--model-name", "qwen3"], log_path=logs / "qwen3.log", env=env
+        ),
+        "qwen3-ngram": TulipProcess(
+            [*common, "--model-name", "qwen3-ngram", "--spec", "ngram"],
+            log_path=logs / "qwen3-ngram.log",
+            env=env,
+        ),
+    }
+    with contextlib.ExitStack() as stack:
+        for tulip in tulips.values():
+            stack.enter_context(tulip)
+        port = free_port()
+        argv = [sys.executable, "-m", "ivy", "--port", str(port)]
+        for name, tulip in tulips.items():
+            argv += ["--model", f"{name}={model_dir}", "--replicas", f"{name}={tulip.target}"]
+        ivy_log = stack.enter_context((logs / "ivy.log").open("wb"))
+        ivy = subprocess.Popen(argv, stdout=ivy_log, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for tulip in tulips.values():
+                tulip.wait_serving()
+            deadline = time.monotonic() + 120
+            while True:
+                assert ivy.poll() is None, (logs / "ivy.log").read_text()[-4000:]
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
+                        break
+                assert time.monotonic() < deadline, "ivy not ready"
+                time.sleep(0.2)
+            yield url, {name: tulip.target for name, tulip in tulips.items()}
+        finally:
+            ivy.terminate()
+            assert ivy.wait(60) == 0, (logs / "ivy.log").read_text()[-4000:]
+
+
+def _body(name: str, chat: list[dict[str, str]], **extra: object) -> dict[str, object]:
+    return {"model": name, "messages": chat, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chat_equals_transformers_greedy(
+    cluster: tuple[str, dict[str, str]],
+    oracle: Oracle,
+    want: list[tuple[list[int], str, str]],
+    name: str,
+) -> None:
+    base, _ = cluster
+    for chat, (ids, text, finish) in zip(CHATS, want, strict=True):
+        r = httpx.post(f"{base}/v1/chat/completions", json=_body(name, chat), timeout=120)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        choice = body["choices"][0]
+        assert choice["message"]["content"] == text
+        assert choice["finish_reason"] == finish
+        assert body["usage"]["prompt_tokens"] == len(oracle.chat_ids(chat))
+        assert body["usage"]["completion_tokens"] == len(ids)  # EOS is not emitted
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chat_stream_equals_transformers_greedy(
+    cluster: tuple[str, dict[str, str]], want: list[tuple[list[int], str, str]], name: str
+) -> None:
+    base, _ = cluster
+    for chat, (_, text, finish) in zip(CHATS, want, strict=True):
+        body = _body(name, chat, stream=True)
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200, r.read()
+            events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        deltas = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+        assert "".join(deltas) == text
+        finishes = [c["choices"][0].get("finish_reason") for c in chunks if c["choices"]]
+        assert finishes[-1] == finish
+
+
+def test_openai_client_chats(
+    cluster: tuple[str, dict[str, str]], want: list[tuple[list[int], str, str]]
+) -> None:
+    from openai import OpenAI
+
+    base, _ = cluster
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    got = client.chat.completions.create(
+        model="qwen3", messages=CHATS[1], max_tokens=MAX_TOKENS, temperature=0
+    )
+    _, text, finish = want[1]
+    assert got.choices[0].message.content == text
+    assert got.choices[0].finish_reason == finish
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tulip_generates_transformers_ids(
+    cluster: tuple[str, dict[str, str]],
+    oracle: Oracle,
+    want: list[tuple[list[int], str, str]],
+    name: str,
+) -> None:
+    """Tulip's own stream, on the ids of `transformers`' chat template: the same token ids."""
+    _, targets = cluster
+
+    async def generate(prompt: list[int]) -> list[int]:
+        sampling = pb.SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0)
+        out: list[int] = []
+        async with TulipClient(targets[name]) as client:
+            async for piece in client.generate(prompt, sampling, timeout=120):
+                out.extend(piece.token_ids)
+        return out
+
+    for chat, (ids, _, _) in zip(CHATS, want, strict=True):
+        got = asyncio.run(generate(oracle.chat_ids(chat)))
+        assert got == ids  # a finishing EOS is not emitted
