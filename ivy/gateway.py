@@ -16,7 +16,7 @@ import numpy as np
 
 from ivy.errors import ModelNotFoundError, UnavailableError, ValidationError
 from ivy.metrics import Metrics
-from ivy.models import CROSS_ENCODER, EMBEDDING, ServedModel
+from ivy.models import CROSS_ENCODER, EMBEDDING, PairTemplate, ServedModel
 from ivy.replicas import Replica, ReplicaPool
 from ivy.router import Claim, Router
 from ivy.schemas import (
@@ -284,11 +284,21 @@ class Gateway:
     async def embeddings(self, req: EmbeddingRequest, timings: Timings) -> EmbeddingResponse:
         model = self.embedder(req.model)
         inputs = [req.input] if isinstance(req.input, str) else req.input
+        if req.instruction is not None:
+            if req.input_type in _DOCUMENT_TYPES:
+                raise ValidationError(
+                    "An instruction goes with queries; this request's input_type is "
+                    f"`{req.input_type}`.",
+                    param="instruction",
+                )
+            prompt = model.instructed_prompt(req.instruction)
+        else:
+            prompt = model.prompt_for(req.input_type)
         vectors, tokens = await self.embed(
             model,
             inputs,
             timings,
-            prompt=model.prompt_for(req.input_type) if isinstance(inputs[0], str) else "",
+            prompt=prompt if isinstance(inputs[0], str) else "",
             truncate=req.truncate,
             left=req.truncation_direction.lower() == "left",
             dimensions=req.dimensions,
@@ -588,31 +598,35 @@ class Gateway:
                         "(pairs are cut at the document's end).",
                         param="truncation_direction",
                     )
-                # Pairs as `tokenizer(query, document)` builds them. Only documents are cut: to
-                # max_tokens_per_doc of their own tokens, and so that the pair fits the model
-                # (HF's "only_second"; the "longest_first" of sentence-transformers' CrossEncoder
-                # cuts the same tokens whenever the query takes at most half of the room).
-                q_ids, _ = model.tokenizer.encode_batch_packed([req.query], False, None)
-                _, specials, _ = model.tokenizer.encode_pairs_packed("", [""], None)
-                fixed = int(q_ids.size) + int(specials[0])
-                if fixed >= spec.max_input_tokens:
-                    raise ValidationError(
-                        f"The query has {q_ids.size} tokens, which with the pair's special tokens "
-                        f"leaves no room for a document within this model's limit of "
-                        f"{spec.max_input_tokens} tokens.",
-                        param="query",
-                        code="context_length_exceeded",
-                    )
-                max_len = spec.max_input_tokens
-                if per_doc is not None:
-                    max_len = min(max_len, fixed + per_doc)
-                with tracing.span("tokenize", inputs=len(docs)):
-                    ids, lengths, first = await asyncio.to_thread(
-                        model.tokenizer.encode_pairs_packed,
-                        req.query,
-                        docs,
-                        max_len if cut else None,
-                    )
+                template = model.pair_template
+                if template is not None:
+                    with tracing.span("tokenize", inputs=len(docs)):
+                        ids, lengths = await asyncio.to_thread(
+                            _template_pairs, model, template, req, docs, per_doc, cut
+                        )
+                    first = lengths.astype(np.uint32)  # one segment: the rendered prompt
+                else:
+                    # sentence-transformers' `prompt` goes before the query.
+                    query = (req.instruction or "") + req.query
+                    # Pairs as `tokenizer(query, document)` builds them. Only documents are
+                    # cut: to max_tokens_per_doc of their own tokens, and so that the pair
+                    # fits the model (HF's "only_second"; the "longest_first" of
+                    # sentence-transformers' CrossEncoder cuts the same tokens whenever the
+                    # query takes at most half of the room).
+                    q_ids, _ = model.tokenizer.encode_batch_packed([query], False, None)
+                    _, specials, _ = model.tokenizer.encode_pairs_packed("", [""], None)
+                    fixed = int(q_ids.size) + int(specials[0])
+                    _check_room(fixed, spec.max_input_tokens, "with the pair's special tokens")
+                    max_len = spec.max_input_tokens
+                    if per_doc is not None:
+                        max_len = min(max_len, fixed + per_doc)
+                    with tracing.span("tokenize", inputs=len(docs)):
+                        ids, lengths, first = await asyncio.to_thread(
+                            model.tokenizer.encode_pairs_packed,
+                            query,
+                            docs,
+                            max_len if cut else None,
+                        )
                 if not cut:
                     _check_lengths(lengths, spec.max_input_tokens, param)
                 timings.tokenize_s = time.perf_counter() - t0
@@ -630,7 +644,12 @@ class Gateway:
                 scores = raw[:, 0] if raw.ndim == 2 else raw
                 tokens = int(ids.size)
             else:
-                texts = [spec.query_prompt + req.query] + [spec.document_prompt + d for d in docs]
+                q_prompt = (
+                    model.instructed_prompt(req.instruction)
+                    if req.instruction
+                    else spec.query_prompt
+                )
+                texts = [q_prompt + req.query] + [spec.document_prompt + d for d in docs]
                 q_ids, q_len = await self._tokenize(model, texts[:1], truncate=False, param="query")
                 max_length = None
                 if per_doc is not None:
@@ -737,6 +756,61 @@ _ENCODINGS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "base64_int8": quantize_int8,
     "base64_binary": pack_binary,
 }
+
+
+_DOCUMENT_TYPES = ("search_document", "document", "passage")
+
+
+def _check_room(fixed: int, limit: int, with_what: str) -> None:
+    """Refuse a query that leaves no room for a document in the model's limit."""
+    if fixed >= limit:
+        raise ValidationError(
+            f"The query takes {fixed} tokens {with_what}, which leaves no room for a document "
+            f"within this model's limit of {limit} tokens.",
+            param="query",
+            code="context_length_exceeded",
+        )
+
+
+def _template_pairs(
+    model: ServedModel,
+    template: PairTemplate,
+    req: RerankRequest,
+    docs: Sequence[str],
+    per_doc: int | None,
+    cut: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Packed ids and lengths of (query, document) pairs rendered by the model's chat
+    template (`PairTemplate`), tokenized as one prompt each (special-token text in the query,
+    document or instruction stays text). A pair over the limit, when cutting, keeps the
+    longest start of its document that fits (the template's own text stays whole)."""
+    tok = model.tokenizer
+
+    def encode(doc: str) -> np.ndarray:
+        messages = template.messages(req.query, doc, req.instruction)
+        rendered = template.template.render_prompt(
+            messages, tok.special_tokens, add_generation_prompt=template.add_generation_prompt
+        )
+        return tok.encode_prompt(rendered.text, rendered.literals)
+
+    limit = model.spec.max_input_tokens
+    fixed = int(encode("").size)
+    _check_room(fixed, limit, "in the model's prompt")
+    max_len = limit if per_doc is None else min(limit, fixed + per_doc)
+    rows: list[np.ndarray] = []
+    for doc in docs:
+        ids = encode(doc)
+        if cut and ids.size > max_len:
+            _, offsets = tok.encode_with_offsets(doc, add_special_tokens=False)
+            keep = min(len(offsets), max_len - fixed)
+            while ids.size > max_len and keep > 0:
+                ids = encode(doc[: offsets[keep - 1][1]])
+                keep -= max(1, int(ids.size) - max_len)
+            if ids.size > max_len:
+                ids = encode("")
+        rows.append(ids)
+    lengths = np.fromiter((r.size for r in rows), dtype=np.uint32, count=len(rows))
+    return np.concatenate(rows).astype(np.uint32, copy=False), lengths
 
 
 def _embedding_data(vectors: np.ndarray, encoding_format: str) -> list[EmbeddingData]:

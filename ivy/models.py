@@ -16,7 +16,15 @@ from ivy.schemas import TeiToken
 from ivy.tokenization import TextTokenizer, load_tokenizer
 from protos.trellis.v1 import inference_pb2 as pb
 
-__all__ = ["CROSS_ENCODER", "EMBEDDING", "GENERATOR", "ModelSpec", "ServedModel", "read_model_spec"]
+__all__ = [
+    "CROSS_ENCODER",
+    "EMBEDDING",
+    "GENERATOR",
+    "ModelSpec",
+    "PairTemplate",
+    "ServedModel",
+    "read_model_spec",
+]
 
 EMBEDDING = "embedding"
 CROSS_ENCODER = "cross-encoder"
@@ -105,6 +113,34 @@ def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
     )
 
 
+@dataclass(frozen=True)
+class PairTemplate:
+    """How a cross-encoder that declares sentence-transformers' ``message`` modality (the
+    causal-LM rerankers, Qwen3-Reranker's shape) reads a (query, document) pair: as the
+    messages ``[system: instruction]? query, document`` rendered by its chat template,
+    exactly as sentence-transformers' CrossEncoder renders a text pair for such a model."""
+
+    template: ChatTemplate
+    add_generation_prompt: bool
+
+    @classmethod
+    def from_directory(cls, directory: Path, template: ChatTemplate | None) -> PairTemplate | None:
+        sbert = _read_json(directory / "sentence_bert_config.json")
+        modalities = sbert.get("modality_config")
+        if template is None or not isinstance(modalities, dict) or "message" not in modalities:
+            return None
+        kwargs = (sbert.get("processing_kwargs") or {}).get("chat_template") or {}
+        return cls(template, bool(kwargs.get("add_generation_prompt", False)))
+
+    def messages(self, query: str, document: str, instruction: str | None) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": instruction}] if instruction else []
+        return [
+            *system,
+            {"role": "query", "content": query},
+            {"role": "document", "content": document},
+        ]
+
+
 @dataclass
 class ServedModel:
     """A served model name, its tokenizer, its chat template (chat models) and its
@@ -128,6 +164,27 @@ class ServedModel:
             read_model_spec(directory, tokenizer.vocab_size),
             ChatTemplate.from_directory(directory),
         )
+
+    @functools.cached_property
+    def pair_template(self) -> PairTemplate | None:
+        """The chat template pairs are rendered with (see `PairTemplate`), or None: pairs
+        as the tokenizer builds them."""
+        return PairTemplate.from_directory(self.directory, self.chat_template)
+
+    def instructed_prompt(self, instruction: str) -> str:
+        """The query prompt with `instruction` in place of the model's own task: a prompt
+        whose first line is ``label: task`` followed by more lines (Qwen3-Embedding's
+        ``Instruct: <task>\nQuery:``) has a task slot; others refuse an instruction."""
+        prompt = self.spec.query_prompt
+        first, newline, rest = prompt.partition("\n")
+        label, colon, _ = first.partition(": ")
+        if not (newline and colon):
+            raise ValidationError(
+                f"The model `{self.name}` takes no instruction: its query prompt "
+                f"{prompt!r} has no `label: task` first line to put one in.",
+                param="instruction",
+            )
+        return f"{label}: {instruction}\n{rest}"
 
     def prompt_for(self, input_type: str | None) -> str:
         if input_type == "search_query" or input_type == "query":

@@ -112,6 +112,12 @@ class EmbeddingRequest(_Strict):
         description="Trellis extension: cut from the end (right) or the start (left); "
         "special tokens stay.",
     )
+    instruction: NonEmptyStr | None = Field(
+        default=None,
+        description="Trellis extension: a task for instruction-following embedders, put in "
+        "the model's own query prompt format (Qwen3-Embedding's `Instruct: <task>\\nQuery:`); "
+        "a 400 for models whose prompts have no task.",
+    )
 
 
 @dataclass(slots=True)
@@ -314,6 +320,13 @@ class RerankRequest(_Strict):
         "Cohere's shape always fits documents (`max_tokens_per_doc`).",
     )
     truncation_direction: Direction = "Right"
+    instruction: NonEmptyStr | None = Field(
+        default=None,
+        description="Trellis extension, sentence-transformers' `prompt`: the system message "
+        "of rerankers that read pairs through their chat template (Qwen3-Reranker's "
+        "`<Instruct>`), else text before the query (embedders: the model's query prompt "
+        "format, as /v1/embeddings).",
+    )
 
 
 @dataclass(slots=True)

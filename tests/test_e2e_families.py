@@ -10,7 +10,13 @@ Tiny random-weight models of each family (no registry ships such weights), saved
   tests/test_rose_families.py);
 * ModernBERT and DeBERTa-v3 cross-encoders: `/v1/rerank` (and the Cohere client) gives the
   order and scores of `transformers` `*ForSequenceClassification` + sigmoid on the pairs
-  HF's tokenizer builds, within 1e-4.
+  HF's tokenizer builds, within 1e-4;
+* `/v1/contextualizedembeddings` on both embedders: the per-chunk means of one joint
+  `transformers` pass over the document;
+* Qwen3-Embedding's shape (causal, last token, a task prompt; byte-level BPE) and
+  Qwen3-Reranker's (a causal LM whose chat template frames instruction, query and
+  document; score P("yes")), both written by sentence-transformers, which is the reference
+  for `/v1/embeddings` (with `input_type` and `instruction`) and `/v1/rerank`.
 """
 
 from __future__ import annotations
@@ -169,7 +175,103 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         transformers.DebertaV2ForSequenceClassification(deberta), root / "deberta-rr"
     )
     _tokenizer(out["deberta-rr"], specials=True)
+    out["qwen3-last"] = _qwen3_last_token_embedder(root)
+    out["qwen3-rr"] = _qwen3_logit_score_reranker(root)
     return out
+
+
+# ---- Qwen3-Embedding's and Qwen3-Reranker's shapes, saved by sentence-transformers itself ----
+# Byte-level BPE (SmolLM2's tokenizer, a bundled asset, has ChatML's special tokens), random
+# Qwen3 weights; sentence-transformers writes the model directories and is the reference.
+QWEN3_TASK_PROMPT = (
+    "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
+)
+RERANK_TEMPLATE = """<|im_start|>system
+Judge whether the Document meets the requirements based on the Query and the Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>
+<|im_start|>user
+<Instruct>: {{ messages | selectattr("role", "eq", "system") | map(attribute="content") | first | default("Given a web search query, retrieve relevant passages that answer the query") }}
+<Query>: {{ messages | selectattr("role", "eq", "query") | map(attribute="content") | first }}
+<Document>: {{ messages | selectattr("role", "eq", "document") | map(attribute="content") | first }}<|im_end|>
+<|im_start|>assistant
+<think>
+
+</think>
+
+"""
+PASSAGES = [
+    "Plants grow from seeds that need water, light and soil.",
+    "Paris is the capital of France and sits on the Seine.",
+    "The mitochondria is the powerhouse of the cell.",
+    "Seeds sprout when the soil is warm and moist; roots come first.",
+    "Stock markets fell sharply on Tuesday after the announcement.",
+]
+QUESTION = "how do plants grow from seeds?"
+
+
+def _bpe_base(path: Path, model: torch.nn.Module) -> Path:
+    """`model` saved with SmolLM2's tokenizer files, less its chat template (an embedder
+    reads plain text; the reranker gets its own template)."""
+    from rose.assets import ensure_model
+
+    source = Path(ensure_model("smollm2-135m-instruct"))
+    _save(model, path)
+    for name in ("tokenizer.json", "special_tokens_map.json"):
+        (path / name).write_bytes((source / name).read_bytes())
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+def _qwen3_config(**extra: Any) -> transformers.Qwen3Config:
+    return transformers.Qwen3Config(
+        vocab_size=49_152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        **extra,
+    )
+
+
+def _qwen3_last_token_embedder(root: Path) -> Path:
+    """Qwen3-Embedding's shape: causal, last-token pooling, normalized, a task prompt."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    base = _bpe_base(root / "qwen3-last-base", transformers.Qwen3Model(_qwen3_config()))
+    st = SentenceTransformer(
+        modules=[Transformer(str(base)), Pooling(64, "lasttoken"), Normalize()],
+        prompts={"query": QWEN3_TASK_PROMPT, "document": ""},
+    )
+    st.save_pretrained(str(root / "qwen3-last"))
+    return root / "qwen3-last"
+
+
+def _qwen3_logit_score_reranker(root: Path) -> Path:
+    """Qwen3-Reranker's shape as sentence-transformers ships it: a causal LM, its chat
+    template around (instruction, query, document), score = P("yes") from the last token."""
+    from sentence_transformers import CrossEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.cross_encoder.modules import LogitScore
+
+    base = _bpe_base(
+        root / "qwen3-rr-base",
+        transformers.Qwen3ForCausalLM(_qwen3_config(tie_word_embeddings=True)),
+    )
+    (base / "chat_template.jinja").write_text(RERANK_TEMPLATE)
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    yes, no = tok.token_to_id("yes"), tok.token_to_id("no")
+    module = Transformer(
+        str(base),
+        transformer_task="text-generation",
+        processing_kwargs={"chat_template": {"add_generation_prompt": True}},
+    )
+    CrossEncoder(modules=[module, LogitScore(yes, no)]).save_pretrained(str(root / "qwen3-rr"))
+    return root / "qwen3-rr"
 
 
 @pytest.fixture(scope="module")
@@ -366,3 +468,81 @@ def test_contextualized_limits_are_400s_naming_them(
     r = _contextualized(base, "qwen3-bidir", docs)
     assert r.status_code == 400, r.text
     assert says in r.json()["error"]["message"]
+
+
+# ---- Qwen3-Embedding (causal, last token, instructions) and Qwen3-Reranker ------------------
+def _st_embed(path: Path, texts: list[str], **kwargs: Any) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(path), device="cpu").encode(texts, **kwargs)
+
+
+def _embed(base: str, **body: Any) -> np.ndarray:
+    r = httpx.post(f"{base}/v1/embeddings", json={"model": "qwen3-last", **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
+
+
+def test_qwen3_last_token_embedder_equals_sentence_transformers(
+    base: str, dirs: dict[str, Path]
+) -> None:
+    path = dirs["qwen3-last"]
+    documents = _embed(base, input=PASSAGES, input_type="document")
+    np.testing.assert_allclose(documents, _st_embed(path, PASSAGES), atol=1e-4)
+    queries = _embed(base, input=[QUESTION], input_type="query")
+    want = _st_embed(path, [QUESTION], prompt_name="query")
+    np.testing.assert_allclose(queries, want, atol=1e-4)
+    assert float((queries * want).sum()) >= 0.9999
+
+
+def test_an_instruction_takes_the_models_prompt_format(base: str, dirs: dict[str, Path]) -> None:
+    task = "Find passages about gardening"
+    got = _embed(base, input=[QUESTION], instruction=task)
+    want = _st_embed(dirs["qwen3-last"], [QUESTION], prompt=f"Instruct: {task}\nQuery:")
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    default = _embed(base, input=[QUESTION], input_type="query")
+    assert float((got * default).sum()) < 0.9999  # the instruction did change the input
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [("mpnet", {}), ("qwen3-last", {"input_type": "document"})],
+)
+def test_instructions_refused_where_they_do_not_fit(base: str, name: str, extra: dict) -> None:
+    body = {"model": name, "input": ["w4"], "instruction": "find it", **extra}
+    r = httpx.post(f"{base}/v1/embeddings", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "instruction"
+
+
+@pytest.mark.parametrize("instruction", [None, "Find passages about gardening"])
+def test_qwen3_reranker_equals_sentence_transformers(
+    base: str, dirs: dict[str, Path], instruction: str | None
+) -> None:
+    from sentence_transformers import CrossEncoder
+
+    body: dict[str, Any] = {"model": "qwen3-rr", "query": QUESTION, "documents": PASSAGES}
+    if instruction:
+        body["instruction"] = instruction
+    r = httpx.post(f"{base}/v1/rerank", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    reference = CrossEncoder(str(dirs["qwen3-rr"]), device="cpu")
+    want = reference.predict([(QUESTION, p) for p in PASSAGES], prompt=instruction)
+    assert [x["index"] for x in results] == list(np.argsort(-want, kind="stable"))
+    got = np.array([x["relevance_score"] for x in sorted(results, key=lambda x: x["index"])])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert np.ptp(want) > 1e-3
+
+
+def test_qwen3_reranker_cuts_documents_to_max_tokens_per_doc(base: str) -> None:
+    long_doc = " ".join(PASSAGES * 8)
+    body = {"model": "qwen3-rr", "query": QUESTION, "documents": [long_doc, PASSAGES[0]]}
+    whole = httpx.post(f"{base}/v1/rerank", json=body, timeout=60).json()
+    cut = httpx.post(
+        f"{base}/v1/rerank", json={**body, "max_tokens_per_doc": 12}, timeout=60
+    ).json()
+    assert cut["usage"]["prompt_tokens"] < whole["usage"]["prompt_tokens"]
+    # The short document fits either way: its score does not move.
+    short = {x["index"]: x["relevance_score"] for x in whole["results"]}[1]
+    assert {x["index"]: x["relevance_score"] for x in cut["results"]}[1] == pytest.approx(short)
