@@ -82,6 +82,10 @@ def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
     architectures = " ".join(config.get("architectures") or [])
     if "SequenceClassification" in architectures:
         kind = CROSS_ENCODER
+    elif (directory / "modules.json").is_file():
+        # sentence-transformers modules make it an encoder whatever the architecture says
+        # (Qwen3-Embedding and Qwen3-Reranker name Qwen3ForCausalLM); Info confirms it.
+        kind = EMBEDDING
     elif "CausalLM" in architectures:
         kind = GENERATOR
     else:
