@@ -472,3 +472,18 @@ def test_trellis_up_with_a_hub_id(hub: FakeHub, sources: dict[str, Path], tmp_pa
     finally:
         assert stop_up(cluster) == 0, cluster.text[-4000:]
     np.testing.assert_allclose(got, _embed(sources["main"]), atol=1e-5)
+
+
+def test_tulip_says_in_one_line_when_a_model_cannot_be_found(tmp_path: Path) -> None:
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf"), HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "tulip", "--model", "nobody/nothing-here", "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("tulip: --model nobody/nothing-here:") and "HF_HUB_OFFLINE" in last

@@ -8,6 +8,7 @@ import os
 import sys
 
 from protos import tracing
+from rose.hub import ModelSpecError
 from tulip.config import ConfigError, TulipConfig
 from tulip.server import serve
 
@@ -22,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     tracing.configure_from_env("tulip", os.environ)  # OTEL_* variables; off by default
     try:
         return asyncio.run(serve(config))
+    except ModelSpecError as error:  # a model that cannot be found: one line, no traceback
+        print(f"tulip: --model {error}", file=sys.stderr)
+        return 2
     finally:
         tracing.shutdown()  # flush the last spans
 

@@ -38,7 +38,8 @@ class TulipConfig:
     """How one Tulip process serves one model."""
 
     model: str
-    """A model directory, or an asset name resolved with `rose.assets.ensure_model`."""
+    """A model directory, a bundled asset name or a Hub id ``owner/name[@revision]``
+    (`rose.hub.resolve_model`)."""
     model_name: str = ""
     """Name reported by `Info`; empty means the model directory's basename."""
     host: str = "127.0.0.1"
@@ -94,7 +95,7 @@ class TulipConfig:
     it falls below this, ``--spec-draft-tokens`` being the longest (`SpecConfig.chain_min_prob`);
     0: fixed-length chains."""
     draft_model: str = ""
-    """``--spec draft``: the drafter's model directory or asset name (same tokenizer)."""
+    """``--spec draft``: the drafter's model (directory, asset name or Hub id; same tokenizer)."""
     draft_layers: int = 0
     """``--spec draft`` without ``--draft-model``: the target's first N layers as drafter."""
     mtp_head: str = ""
@@ -234,7 +235,7 @@ def _parser() -> argparse.ArgumentParser:
         "(every flag can also be set as TULIP_<FLAG>, e.g. TULIP_MAX_BATCH_TOKENS).",
     )
     add = parser.add_argument
-    add("--model", help="model directory or asset name (rose.assets)")
+    add("--model", help="model directory, asset name (rose.assets) or Hub id owner/name[@rev]")
     add("--model-name", help="served model name (default: the directory's basename)")
     add("--host", help="listen address (default 127.0.0.1; containers: 0.0.0.0)")
     add("--port", type=int, help="gRPC port (default 50051)")
@@ -284,7 +285,7 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         help="--spec mtp: stop a chain below this head probability (default 0: fixed length)",
     )
-    gen.add_argument("--draft-model", help="--spec draft: drafter directory or asset name")
+    gen.add_argument("--draft-model", help="--spec draft: drafter directory, asset name or Hub id")
     gen.add_argument(
         "--draft-layers", type=int, help="--spec draft: use the target's first N layers"
     )
