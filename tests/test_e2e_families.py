@@ -24,9 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,9 +33,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from ivy_process import ivy_over
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from ivy.cluster import free_port
 from tulip.process import TulipProcess
 
 VOCAB = 300
@@ -289,28 +286,10 @@ def base(dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Ite
     with contextlib.ExitStack() as stack:
         for tulip in tulips.values():
             stack.enter_context(tulip)
-        port = free_port()
-        argv = [sys.executable, "-m", "ivy", "--port", str(port)]
-        for name, path in dirs.items():
-            argv += ["--model", f"{name}={path}", "--replicas", f"{name}={tulips[name].target}"]
-        ivy_log = stack.enter_context((logs / "ivy.log").open("wb"))
-        ivy = subprocess.Popen(argv, stdout=ivy_log, stderr=subprocess.STDOUT, env=env)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            for tulip in tulips.values():
-                tulip.wait_serving()
-            deadline = time.monotonic() + 120
-            while True:
-                assert ivy.poll() is None, (logs / "ivy.log").read_text()[-4000:]
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
-                        break
-                assert time.monotonic() < deadline, "ivy not ready"
-                time.sleep(0.2)
-            yield url
-        finally:
-            ivy.terminate()
-            assert ivy.wait(60) == 0, (logs / "ivy.log").read_text()[-4000:]
+        for tulip in tulips.values():
+            tulip.wait_serving()
+        served = {name: (path, tulips[name].target) for name, path in dirs.items()}
+        yield stack.enter_context(ivy_over(served, logs / "ivy.log", env))
 
 
 def _rose(path: Path, texts: list[str]) -> np.ndarray:

@@ -15,9 +15,6 @@ import asyncio
 import contextlib
 import json
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,9 +22,9 @@ import httpx
 import pytest
 import torch
 import transformers
+from ivy_process import ivy_over
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from ivy.cluster import free_port
 from protos.trellis.v1 import inference_pb2 as pb
 from tulip.client import TulipClient
 from tulip.process import TulipProcess
@@ -186,28 +183,11 @@ def cluster(
     with contextlib.ExitStack() as stack:
         for tulip in tulips.values():
             stack.enter_context(tulip)
-        port = free_port()
-        argv = [sys.executable, "-m", "ivy", "--port", str(port)]
-        for name, tulip in tulips.items():
-            argv += ["--model", f"{name}={model_dir}", "--replicas", f"{name}={tulip.target}"]
-        ivy_log = stack.enter_context((logs / "ivy.log").open("wb"))
-        ivy = subprocess.Popen(argv, stdout=ivy_log, stderr=subprocess.STDOUT, env=env)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            for tulip in tulips.values():
-                tulip.wait_serving()
-            deadline = time.monotonic() + 120
-            while True:
-                assert ivy.poll() is None, (logs / "ivy.log").read_text()[-4000:]
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
-                        break
-                assert time.monotonic() < deadline, "ivy not ready"
-                time.sleep(0.2)
-            yield url, {name: tulip.target for name, tulip in tulips.items()}
-        finally:
-            ivy.terminate()
-            assert ivy.wait(60) == 0, (logs / "ivy.log").read_text()[-4000:]
+        for tulip in tulips.values():
+            tulip.wait_serving()
+        served = {name: (model_dir, tulip.target) for name, tulip in tulips.items()}
+        url = stack.enter_context(ivy_over(served, logs / "ivy.log", env))
+        yield url, {name: tulip.target for name, tulip in tulips.items()}
 
 
 def _body(name: str, chat: list[dict[str, str]], **extra: object) -> dict[str, object]:

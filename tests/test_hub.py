@@ -21,14 +21,12 @@ The end-to-end tests start real Tulip and Ivy processes (and `trellis up`) with
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import subprocess
 import sys
 import threading
-import time
 import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,9 +39,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from ivy_process import ivy_over
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-from ivy.cluster import free_port
 from tulip.process import TulipProcess
 
 REPO = "trellis-test/tiny-bert"
@@ -419,17 +417,6 @@ def test_directories_and_specs_that_are_nothing(tmp_path: Path) -> None:
 # -- end to end: Tulip, Ivy and `trellis up` given a Hub id -------------------------------
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, log.read_text()[-4000:]
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health/ready", timeout=2).status_code == 200:
-                return
-        assert time.monotonic() < deadline, "ivy not ready"
-        time.sleep(0.2)
-
-
 def _embeddings(url: str) -> np.ndarray:
     r = httpx.post(f"{url}/v1/embeddings", json={"model": REPO, "input": TEXTS}, timeout=60)
     assert r.status_code == 200, r.text
@@ -446,19 +433,10 @@ def test_tulip_and_ivy_serve_a_hub_id(
         log_path=tmp_path / "tulip.log",
         env=env,
     )
-    with tulip, (tmp_path / "ivy.log").open("wb") as ivy_log:
-        port = free_port()
-        argv = [sys.executable, "-m", "ivy", "--port", str(port), "--model", REPO]
-        argv += ["--replicas", f"{REPO}={tulip.target}"]
-        ivy = subprocess.Popen(argv, stdout=ivy_log, stderr=subprocess.STDOUT, env=env)
-        try:
-            tulip.wait_serving()
-            url = f"http://127.0.0.1:{port}"
-            _wait_ready(url, ivy, tmp_path / "ivy.log")
+    with tulip:
+        tulip.wait_serving()
+        with ivy_over({REPO: (REPO, tulip.target)}, tmp_path / "ivy.log", env) as url:
             got = _embeddings(url)
-        finally:
-            ivy.terminate()
-            assert ivy.wait(60) == 0, (tmp_path / "ivy.log").read_text()[-4000:]
     np.testing.assert_allclose(got, _embed(sources["main"]), atol=1e-5)
 
 
