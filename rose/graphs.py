@@ -9,6 +9,24 @@ buffers.
 The manager only decides and keeps the LRU; what capture means is a `CaptureBackend`:
 `CudaCaptureBackend` uses torch.cuda graphs, `RecordingCaptureBackend` runs everything
 eagerly and records the decisions (tests on machines without CUDA).
+
+Captures happen lazily, under live traffic, so other threads make CUDA calls while one
+runs: Tulip's event loop polls `LazyTensor.ready()` (``cudaEventQuery``) and its executor
+threads block in ``event.synchronize()``. PyTorch captures in ``"global"`` error mode by
+default, where such a call from *any* thread during a capture is an error that invalidates
+the capture. `CudaCaptureBackend` captures in ``"thread_local"`` mode instead: only the
+capturing thread's own unsafe calls are errors, and the capture itself makes none (plans
+are made before it, `GraphManager.run`'s ``fill``). That was chosen over a lock around
+captures shared with every poller: the pollers are event-loop code that must never block
+on a capture (tens of milliseconds), and a lock would have to cover every CUDA call of every
+thread, present and future. What ``thread_local`` does not cover, and nothing here does:
+another thread queuing work on the capturing stream, which ROSE never does (all device
+work runs in the engine's one thread, on its current stream).
+
+Graphs share one memory pool (`CudaCaptureBackend`). That is valid because replays run
+one at a time on one stream, and a replay's outputs are consumed on that stream before the
+next replay (`Engine.step` queues the copy to the host right away), while each slot keeps
+its output tensors referenced, so no later capture is handed their memory.
 """
 
 from __future__ import annotations
@@ -102,22 +120,29 @@ class RecordingCaptureBackend(CaptureBackend):
 
 
 class CudaCaptureBackend(CaptureBackend):
-    """torch.cuda graphs sharing one memory pool (passes replay one at a time on one stream)."""
+    """torch.cuda graphs sharing one memory pool, captured in ``"thread_local"`` error mode
+    (the module doc says why both are sound).
 
-    def __init__(self) -> None:
-        self._pool = torch.cuda.graph_pool_handle()
+    cuda: the ``torch.cuda`` namespace (a recorder standing in for it in CPU tests)."""
+
+    capture_error_mode = "thread_local"
+
+    def __init__(self, cuda: Any = None) -> None:
+        self._cuda = torch.cuda if cuda is None else cuda
+        self._pool = self._cuda.graph_pool_handle()
 
     def warmup(self, key: GraphKey, run: Callable[[], None]) -> None:
         # Warm up on a side stream, as torch's graph capture recommends.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        cuda = self._cuda
+        side = cuda.Stream()
+        side.wait_stream(cuda.current_stream())
+        with cuda.stream(side):
             run()
-        torch.cuda.current_stream().wait_stream(side)
+        cuda.current_stream().wait_stream(side)
 
     def capture(self, key: GraphKey, run: Callable[[], None]) -> Any:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        graph = self._cuda.CUDAGraph()
+        with self._cuda.graph(graph, pool=self._pool, capture_error_mode=self.capture_error_mode):
             run()
         return graph
 

@@ -14,16 +14,25 @@ import torch
 import torch.nn.functional as F
 
 from rose.attention.base import AttentionBackend, AttentionInputs
-from rose.attention.flashinfer import FlashInferBackend, import_flashinfer
+from rose.attention.flashinfer import (
+    FLASHINFER_HEAD_DIMS,
+    FlashInferBackend,
+    flashinfer_coverage,
+    head_dim_unsupported,
+    import_flashinfer,
+)
 from rose.attention.sdpa import SdpaBackend, choose_sdpa_strategy
 
 __all__ = [
+    "FLASHINFER_HEAD_DIMS",
     "AttentionBackend",
     "AttentionChoice",
     "AttentionInputs",
     "FlashInferBackend",
     "SdpaBackend",
     "choose_sdpa_strategy",
+    "flashinfer_coverage",
+    "head_dim_unsupported",
     "select_backend",
 ]
 
@@ -48,8 +57,11 @@ def select_backend(
 ) -> AttentionChoice:
     """Pick the attention backend for one engine and log the choice (once per engine).
 
-    FlashInfer is tried on CUDA in fp16/bf16 when `requested` is None or "flashinfer"; it must
-    import and pass a small probe against SDPA, else SDPA is used and the reason logged.
+    FlashInfer is tried on CUDA in fp16/bf16 for the head dims its kernels take
+    (`FLASHINFER_HEAD_DIMS`, checked before anything is imported or compiled) when
+    `requested` is None or "flashinfer"; it must import and pass a small probe against SDPA,
+    else SDPA is used and the reason logged. Nothing here raises for a fallback: a check
+    that claims FlashInfer asserts it with `flashinfer_coverage`.
     num_kv_heads: key/value heads (grouped-query attention; None: num_heads). causal: each
     token attends to its row's tokens up to itself only.
     """
@@ -76,6 +88,8 @@ def _select(
         return AttentionChoice(sdpa, "FlashInfer needs CUDA" if requested else "CPU")
     if dtype not in (torch.float16, torch.bfloat16):
         return AttentionChoice(sdpa, f"FlashInfer needs fp16/bf16, model runs in {dtype}")
+    if why := head_dim_unsupported(head_dim):
+        return AttentionChoice(sdpa, why)
     module, why = import_flashinfer()
     if module is None:
         return AttentionChoice(sdpa, f"FlashInfer unavailable ({why})")

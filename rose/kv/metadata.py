@@ -18,11 +18,18 @@ __all__ = ["AttentionMetadata", "PageLists", "to_device"]
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """A host tensor on ``device`` without waiting for the work queued there: a blocking
-    copy to a GPU synchronizes its stream first (PyTorch's ``copy_`` waits for the copy, and
-    the stream runs everything queued before it). From pageable memory a non-blocking copy
-    is staged before it returns, so the host tensor may be dropped right away."""
-    return t.to(device, non_blocking=True)
+    """A host tensor on ``device`` without waiting for the work queued there.
+
+    A blocking copy to a GPU synchronizes its stream first (PyTorch's ``copy_`` waits for
+    the copy, and the stream runs everything queued before it). A non-blocking copy from
+    pageable memory does not promise better: to stage it into pinned memory "the driver may
+    synchronize with the stream" (CUDA's notes on asynchronous copies); only a copy from
+    page-locked memory is asynchronous for sure. So the tensor is copied
+    into page-locked memory first, from PyTorch's caching host allocator, which keeps that
+    block until the copy has run; the host tensor may be dropped right away."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class PageLists:
