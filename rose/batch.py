@@ -9,9 +9,11 @@ import numpy as np
 
 from rose.errors import EngineError
 
-__all__ = ["POOLING_MODES", "RaggedBatch"]
+__all__ = ["OUTPUT_KINDS", "POOLING_MODES", "RaggedBatch"]
 
 POOLING_MODES = ("mean", "cls", "last")
+# What a row can ask for (`rose.heads`); every embedding row gets "dense".
+OUTPUT_KINDS = ("dense", "sparse", "multi_vector", "token_states")
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,6 +29,9 @@ class RaggedBatch:
     spans: [S, 2] int64 (S = sum(span_counts)), each span's [start, end) token offsets within
         its row, rows in order. With spans an embedder pools each span (late chunking: the
         tokens of a span attend to their whole row) and returns one vector per span.
+    kinds: per row the output kinds it asks for (`OUTPUT_KINDS`; "dense" is always given),
+        or None: dense only for every row. Extra kinds are per row even when rows have spans
+        (only the dense vectors are pooled per span).
     """
 
     input_ids: np.ndarray
@@ -36,6 +41,7 @@ class RaggedBatch:
     normalize: tuple[bool | None, ...] | None = None
     span_counts: np.ndarray | None = None
     spans: np.ndarray | None = None
+    kinds: tuple[frozenset[str], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.ndim != 1 or self.cu_seqlens.ndim != 1 or self.cu_seqlens.size < 2:
@@ -62,12 +68,31 @@ class RaggedBatch:
             raise EngineError("RaggedBatch.span_counts and spans come together")
         if self.span_counts is not None and self.spans is not None:
             self._check_spans(self.span_counts, self.spans)
+        if self.kinds is not None:
+            self._check_kinds(self.kinds)
         if self.pooling is not None:
             for mode in self.pooling:
                 if mode is not None and mode not in POOLING_MODES:
                     raise EngineError(
                         f"RaggedBatch.pooling: unknown mode {mode!r}; use one of {POOLING_MODES}"
                     )
+
+    def _check_kinds(self, kinds: tuple[frozenset[str], ...]) -> None:
+        if len(kinds) != self.rows:
+            raise EngineError(f"RaggedBatch.kinds has {len(kinds)} entries for {self.rows} rows")
+        for i, row in enumerate(kinds):
+            unknown = sorted(k for k in row if k not in OUTPUT_KINDS)
+            if unknown:
+                raise EngineError(
+                    f"RaggedBatch.kinds[{i}]: unknown output kind(s) {unknown}; use {OUTPUT_KINDS}"
+                )
+
+    @property
+    def extra_kinds(self) -> frozenset[str]:
+        """The kinds beyond "dense" that some row asks for."""
+        if self.kinds is None:
+            return frozenset()
+        return frozenset().union(*self.kinds) - {"dense"}
 
     def _check_spans(self, counts: np.ndarray, spans: np.ndarray) -> None:
         if counts.shape != (self.rows,) or np.any(counts < 1):
@@ -112,6 +137,7 @@ class RaggedBatch:
         token_type_ids: Sequence[Sequence[int]] | None = None,
         pooling: Sequence[str | None] | None = None,
         normalize: Sequence[bool | None] | None = None,
+        kinds: Sequence[frozenset[str]] | None = None,
     ) -> RaggedBatch:
         """Build from one id list per row (and optionally one token-type list per row)."""
         lengths = np.fromiter((len(row) for row in ids), dtype=np.int64, count=len(ids))
@@ -133,6 +159,7 @@ class RaggedBatch:
             token_type_ids=types,
             pooling=None if pooling is None else tuple(pooling),
             normalize=None if normalize is None else tuple(normalize),
+            kinds=None if kinds is None else tuple(kinds),
         )
 
     @classmethod
@@ -145,6 +172,7 @@ class RaggedBatch:
         normalize: Sequence[bool | None] | None = None,
         span_counts: np.ndarray | None = None,
         spans: np.ndarray | None = None,
+        kinds: Sequence[frozenset[str]] | None = None,
     ) -> RaggedBatch:
         """Build from the wire layout: flat uint32 ids [T] and uint32 row lengths [B]
         (spans as in the class docstring, any integer dtype).
@@ -179,4 +207,5 @@ class RaggedBatch:
             normalize=None if normalize is None else tuple(normalize),
             span_counts=None if span_counts is None else np.asarray(span_counts, dtype=np.int64),
             spans=None if spans is None else np.asarray(spans, dtype=np.int64).reshape(-1, 2),
+            kinds=None if kinds is None else tuple(kinds),
         )

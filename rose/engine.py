@@ -5,9 +5,13 @@ The model family (BERT, XLM-R, Qwen3, ...) is chosen once at load from config.js
 the contract documented there.
 
 `step` validates and lays out the batch on the host (positions, row ids, per-row pooling),
-enqueues the pass and returns a `LazyTensor` at once. On CUDA with graphs on, the pass runs in
-the slot of its (row bucket, token bucket) graph key: inputs padded into static buffers with
-one extra "padding row" that owns the padding tokens, so padded tokens never mix with real rows.
+enqueues the pass and returns a `LazyTensor` at once. `step_outputs` is the same pass for
+batches whose rows also ask for sparse, multi-vector or token-state outputs (`rose.heads`):
+it returns `StepOutputs` (the dense rows lazy, the ragged extras on the host) and runs eager.
+
+On CUDA with graphs on, the pass runs in the slot of its (row bucket, token bucket) graph
+key: inputs padded into static buffers with one extra "padding row" that owns the padding
+tokens, so padded tokens never mix with real rows.
 """
 
 from __future__ import annotations
@@ -25,12 +29,22 @@ from rose.batch import RaggedBatch
 from rose.config import EngineConfig
 from rose.errors import EngineError
 from rose.graphs import CaptureBackend, CudaCaptureBackend, GraphKey, GraphManager, graph_key
-from rose.lazy import LazyTensor
+from rose.heads import (
+    BgeM3Heads,
+    colbert_vectors,
+    read_bge_m3_heads,
+    read_special_ids,
+    sparse_max,
+    splade_max,
+    token_rows,
+)
+from rose.lazy import LazyTensor, RaggedRows, StepOutputs
 from rose.loading import (
     ModelInfo,
     read_config,
     read_logit_score,
     read_sentence_settings,
+    read_splade,
     read_tensors,
 )
 from rose.models import EncoderConfig, Family, FamilyOptions, family_for
@@ -101,6 +115,8 @@ class Engine:
         config: EngineConfig,
         attention: AttentionBackend,
         capture: CaptureBackend | None = None,
+        heads: BgeM3Heads | None = None,
+        special_ids: frozenset[int] = frozenset(),
     ) -> None:
         self._family = family
         self._model = model  # the family's module: encoder / classify (`rose.models`)
@@ -110,6 +126,8 @@ class Engine:
         self._device = next(model.parameters()).device
         self._attention = attention
         self._default_mode = POOL_CODES[info.default_pooling]
+        self._heads = heads  # BGE-M3's sparse / ColBERT heads, on the model's device
+        self._special = np.asarray(sorted(special_ids), dtype=np.int64)  # sparse drops these
         self._graphs: GraphManager[_Slot] | None = None
         if (
             capture is None
@@ -130,7 +148,7 @@ class Engine:
         path = Path(model_dir)
         raw = read_config(path)
         family = family_for(raw)
-        options = FamilyOptions(config.attention_mode, read_logit_score(path))
+        options = FamilyOptions(config.attention_mode, read_logit_score(path), read_splade(path))
         cfg = family.config(raw, options)
         settings = read_sentence_settings(path, cfg.classifier)
         device = torch.device(config.device)
@@ -142,6 +160,25 @@ class Engine:
             model = family.model(cfg)
         model.load_state_dict(state, strict=True, assign=True)
         model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        if options.lm_head and getattr(model, "mlm", None) is None:
+            raise EngineError(
+                f"{path}: SpladePooling needs a masked-LM head; the {raw.get('model_type')!r} "
+                "family has none here"
+            )
+        heads = None if cfg.classifier else read_bge_m3_heads(path, cfg.hidden_size)
+        special: frozenset[int] = frozenset()
+        if heads is not None:
+            if heads.sparse_linear is not None:
+                if options.lm_head:
+                    raise EngineError(f"{path}: both sparse_linear.pt and SpladePooling; pick one")
+                special = read_special_ids(path)
+            heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        outputs: tuple[str, ...] = ()
+        if not cfg.classifier:
+            sparse = options.lm_head or (heads is not None and heads.sparse_linear is not None)
+            colbert = heads is not None and heads.colbert_linear is not None
+            outputs = ("dense",) + ("sparse",) * sparse + ("multi_vector",) * colbert
+            outputs += ("token_states",)
         if config.packed_weights and device.type == "cpu":
             model.pack_weights()
         max_tokens = cfg.max_input_tokens
@@ -161,6 +198,7 @@ class Engine:
             device=str(device),
             dtype=config.resolved_dtype,
             token_types=cfg.type_vocab_size,
+            outputs=outputs,
         )
         choice = select_backend(
             config.attention,
@@ -172,7 +210,7 @@ class Engine:
             num_kv_heads=cfg.num_kv_heads,
             causal=cfg.causal,
         )
-        engine = cls(family, model, info, config, choice.backend)
+        engine = cls(family, model, info, config, choice.backend, heads=heads, special_ids=special)
         log.info("rose engine loaded: %r, cuda graphs %s", engine, "on" if engine.graphs else "off")
         return engine
 
@@ -203,7 +241,12 @@ class Engine:
     def step(self, batch: RaggedBatch) -> LazyTensor:
         """Enqueue one pass over `batch`; returns at once with a `LazyTensor`:
         [B, dimensions] pooled embeddings ([S, dimensions], one per span, when the batch
-        has spans), or [B, num_labels] raw logits for cross-encoders."""
+        has spans), or [B, num_labels] raw logits for cross-encoders. Batches whose rows ask
+        for more than dense vectors go through `step_outputs`."""
+        if batch.extra_kinds:
+            raise EngineError(
+                f"rows ask for {sorted(batch.extra_kinds)}: run the batch with step_outputs"
+            )
         host = self._layout(batch)
         with torch.inference_mode():
             if (
@@ -213,8 +256,63 @@ class Engine:
             ):
                 out = self._run_graph(host)
             else:
-                out = self._run_eager(host)
+                out, _ = self._run_eager(host)
         return LazyTensor.from_device(out)
+
+    def step_outputs(self, batch: RaggedBatch) -> StepOutputs:
+        """One pass over `batch` giving every output kind its rows ask for (`batch.kinds`):
+        the dense rows as `step` gives them, and per kind `RaggedRows` whose counts are 0
+        for rows that did not ask. Without extra kinds this is `step` (graphs included);
+        with them the pass runs eager and the extras are on the host when it returns."""
+        extra = batch.extra_kinds
+        if not extra:
+            return StepOutputs(self.step(batch))
+        offered = set(self._info.outputs)
+        missing = sorted(extra - offered)
+        if missing:
+            raise EngineError(
+                f"{self._info.name} cannot give {missing}; it offers {sorted(offered) or 'none'}"
+            )
+        assert batch.kinds is not None
+        host = self._layout(batch)
+        with torch.inference_mode():
+            dense, hidden = self._run_eager(host)
+            found = self._extras(host, hidden, batch.kinds)
+            return StepOutputs(LazyTensor.from_device(dense), **found)
+
+    def _extras(
+        self, host: _HostBatch, hidden: torch.Tensor, kinds: tuple[frozenset[str], ...]
+    ) -> dict[str, RaggedRows]:
+        """The extra kinds `kinds` ask for, from the pass's hidden states [T, H]."""
+        device, rows = hidden.device, host.rows
+        first = np.zeros(host.tokens, dtype=bool)
+        first[host.cu_seqlens[:-1]] = True  # each row's first token ([CLS] / <s>)
+        out: dict[str, RaggedRows] = {}
+        for kind in ("sparse", "multi_vector", "token_states"):
+            asking = np.fromiter((kind in k for k in kinds), dtype=bool, count=rows)  # [B]
+            if not asking.any():
+                continue
+            keep = asking[host.seg_ids]  # [T] tokens of the asking rows
+            if kind == "multi_vector":
+                keep &= ~first  # BGE-M3 drops [CLS]
+            elif kind == "sparse" and self._heads is not None and self._special.size:
+                keep &= ~np.isin(host.ids, self._special)
+            picked = np.flatnonzero(keep)
+            index = torch.from_numpy(picked).to(device)
+            seg = torch.from_numpy(host.seg_ids[picked]).to(device)  # [P] row of each token
+            states = hidden.index_select(0, index)  # [P, H]
+            if kind == "token_states":
+                out[kind] = token_rows(states, seg, rows)
+            elif kind == "multi_vector":
+                assert self._heads is not None
+                out[kind] = token_rows(colbert_vectors(self._heads, states), seg, rows)
+            elif self._heads is not None and self._heads.sparse_linear is not None:
+                weights = torch.relu(self._heads.sparse_linear(states)).squeeze(-1)  # [P]
+                ids = torch.from_numpy(host.ids[picked]).to(device)
+                out[kind] = sparse_max(seg, ids, weights, self._cfg.vocab_size, rows)
+            else:
+                out[kind] = splade_max(states, seg, rows, self._model.mlm_logits)
+        return out
 
     def _layout(self, batch: RaggedBatch) -> _HostBatch:
         cfg, info = self._cfg, self._info
@@ -284,9 +382,34 @@ class Engine:
         spans: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The device part of a pass (graph-capturable when `present` and `spans` are None)."""
+        hidden = self._encode(ids, positions, types, seg_ids, cu_seqlens, plan)  # [T, H]
+        return self._pool(hidden, cu_seqlens, seg_ids, modes, normalize, present, spans)
+
+    def _encode(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        types: torch.Tensor | None,
+        seg_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        plan: Any,
+    ) -> torch.Tensor:
+        """Last hidden states [T, H] of the ragged batch."""
         inputs = AttentionInputs(cu_seqlens=cu_seqlens, seg_ids=seg_ids)
         state = self._attention.prepare(plan, inputs)
-        hidden = self._model.encoder(ids, positions, types, self._attention, state)  # [T, H]
+        return self._model.encoder(ids, positions, types, self._attention, state)  # type: ignore[no-any-return]
+
+    def _pool(
+        self,
+        hidden: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        seg_ids: torch.Tensor,
+        modes: torch.Tensor,
+        normalize: torch.Tensor,
+        present: frozenset[int] | None,
+        spans: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """Hidden states [T, H] → pooled rows [B, H] ([S, H] spans; logits for classifiers)."""
         if self._cfg.classifier:
             return self._model.classify(hidden, cu_seqlens, seg_ids).float()  # [B, labels]
         if spans is not None:
@@ -295,27 +418,30 @@ class Engine:
             return pool_ragged(picked, cu_spans, span_ids, modes, normalize, present)  # [S, H]
         return pool_ragged(hidden, cu_seqlens, seg_ids, modes, normalize, present)  # [B, H]
 
-    def _run_eager(self, host: _HostBatch) -> torch.Tensor:
+    def _run_eager(self, host: _HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pooled rows, hidden states [T, H]) of an eager pass."""
         device = self._device
         plan = self._attention.plan(host.cu_seqlens)
 
         def put(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
 
-        return self._forward(
-            put(host.ids),
-            put(host.positions),
-            None if host.types is None else put(host.types),
-            put(host.seg_ids),
-            put(host.cu_seqlens),
+        seg_ids, cu_seqlens = put(host.seg_ids), put(host.cu_seqlens)
+        types = None if host.types is None else put(host.types)
+        hidden = self._encode(put(host.ids), put(host.positions), types, seg_ids, cu_seqlens, plan)
+        spans = None
+        if host.spans is not None:
+            spans = (put(host.spans[0]), put(host.spans[1]), put(host.spans[2]))
+        pooled = self._pool(
+            hidden,
+            cu_seqlens,
+            seg_ids,
             put(host.modes),
             put(host.normalize),
-            plan,
             host.present,
-            None
-            if host.spans is None
-            else (put(host.spans[0]), put(host.spans[1]), put(host.spans[2])),
+            spans,
         )
+        return pooled, hidden
 
     def _run_graph(self, host: _HostBatch) -> torch.Tensor:
         assert self._graphs is not None

@@ -1,5 +1,9 @@
 """`LazyTensor`: a result that may still be on its way from the device.
 
+`StepOutputs` is what `Engine.step_outputs` returns: the dense rows as a `LazyTensor` and,
+for rows that asked for more (`rose.heads`), `RaggedRows` already on the host (they need
+data-dependent shapes, so they are complete when the step returns).
+
 On CUDA the engine enqueues a non-blocking copy into pinned host memory and records an
 event after it; `ready()` polls the event, `wait()` blocks on it and `await` waits without
 blocking the event loop. On CPU the result is complete when `step` returns.
@@ -9,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["LazyTensor"]
+__all__ = ["LazyTensor", "RaggedRows", "StepOutputs"]
 
 
 class LazyTensor:
@@ -70,3 +75,44 @@ class LazyTensor:
     def __repr__(self) -> str:
         state = "ready" if self.ready() else "pending"
         return f"LazyTensor(shape={self.shape}, {state})"
+
+
+@dataclass(frozen=True, eq=False)
+class RaggedRows:
+    """Per-row variable-length results on the host.
+
+    counts: [B] int64 entries of each row (rows that did not ask have 0);
+    values: [N, D] float32 vectors, or [N] float32 sparse weights (N = counts.sum());
+    indices: [N] int64 token ids of sparse weights (ascending within a row), else None.
+    """
+
+    counts: np.ndarray
+    values: np.ndarray
+    indices: np.ndarray | None = None
+
+    def row(self, i: int) -> tuple[np.ndarray | None, np.ndarray]:
+        """(indices or None, values) of row `i`."""
+        start = int(self.counts[:i].sum())
+        stop = start + int(self.counts[i])
+        ids = None if self.indices is None else self.indices[start:stop]
+        return ids, self.values[start:stop]
+
+
+@dataclass(frozen=True, eq=False)
+class StepOutputs:
+    """One pass's results: ``dense`` [B, D] (or [S, D] with spans, [B, labels] logits for
+    cross-encoders) and the extra kinds some rows asked for (None: no row asked)."""
+
+    dense: LazyTensor
+    sparse: RaggedRows | None = None
+    multi_vector: RaggedRows | None = None
+    token_states: RaggedRows | None = None
+
+    def extras(self) -> dict[str, RaggedRows]:
+        """The extra kinds present, by name ("sparse", "multi_vector", "token_states")."""
+        found = {
+            "sparse": self.sparse,
+            "multi_vector": self.multi_vector,
+            "token_states": self.token_states,
+        }
+        return {k: v for k, v in found.items() if v is not None}

@@ -19,6 +19,7 @@ __all__ = [
     "read_config",
     "read_logit_score",
     "read_sentence_settings",
+    "read_splade",
     "read_tensors",
 ]
 
@@ -31,8 +32,11 @@ _ST_POOLING_LEGACY = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
 }
 _ST_POOLING_SUPPORTED = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
-# sentence-transformers module classes (last component of "type" in modules.json).
-_ST_MODULES_SUPPORTED = {"Transformer", "Pooling", "Normalize"}
+# sentence-transformers module classes (last component of "type" in modules.json);
+# MLMTransformer is a Transformer whose output is the masked-LM logits (SparseEncoder).
+_ST_MODULES_SUPPORTED = {"Transformer", "Pooling", "Normalize", "MLMTransformer", "SpladePooling"}
+# SpladePooling settings served: max over tokens of log(1 + relu(logits)).
+_SPLADE_SUPPORTED = {"pooling_strategy": "max", "activation_function": "relu"}
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class ModelInfo:
     device: str
     dtype: str
     token_types: int = 2  # token type ids the model takes (0..token_types-1); 1: none
+    # output kinds an embedding model offers (`rose.heads.OUTPUT_KINDS`); () for others
+    outputs: tuple[str, ...] = ("dense",)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,20 @@ def read_logit_score(model_dir: Path) -> tuple[int, int | None] | None:
     return None
 
 
+def read_splade(model_dir: Path) -> bool:
+    """Whether modules.json ends in sentence-transformers' ``SpladePooling`` (a SparseEncoder:
+    SPLADE's sparse output from the masked-LM head)."""
+    modules_path = model_dir / "modules.json"
+    if not modules_path.exists():
+        return False
+    modules = _read_json(modules_path)
+    if not isinstance(modules, list):
+        raise EngineError(f"{modules_path}: expected a JSON list")
+    return any(
+        str(module.get("type", "")).rsplit(".", 1)[-1] == "SpladePooling" for module in modules
+    )
+
+
 def read_sentence_settings(model_dir: Path, classifier: bool) -> SentenceSettings:
     """Pooling from the Pooling module's config, normalize from a Normalize module, prompts
     from config_sentence_transformers.json, max_seq_length from sentence_bert_config.json."""
@@ -131,6 +151,8 @@ def read_sentence_settings(model_dir: Path, classifier: bool) -> SentenceSetting
                 normalize = True
             elif kind == "Pooling":
                 pooling = _read_pooling(model_dir / str(module.get("path", "")) / "config.json")
+            elif kind == "SpladePooling":
+                _check_splade(model_dir / str(module.get("path", "")) / "config.json")
     prompts: dict[str, str] = {}
     st_config = model_dir / "config_sentence_transformers.json"
     if st_config.exists():
@@ -147,6 +169,16 @@ def read_sentence_settings(model_dir: Path, classifier: bool) -> SentenceSetting
         document_prompt=str(prompts.get("passage", prompts.get("document", ""))),
         max_seq_length=max_seq_length,
     )
+
+
+def _check_splade(path: Path) -> None:
+    raw = _read_json(path) if path.exists() else {}
+    for key, served in _SPLADE_SUPPORTED.items():
+        value = raw.get(key, served)
+        if value != served:
+            raise EngineError(
+                f"{path}: SpladePooling {key} {value!r} is not supported ({served!r})"
+            )
 
 
 def _read_pooling(path: Path) -> str:

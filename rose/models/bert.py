@@ -32,6 +32,7 @@ __all__ = [
     "BertEncoder",
     "BertFamilyModel",
     "ClassificationHead",
+    "MaskedLMHead",
     "engine_config",
     "expected_weights",
     "load_weights",
@@ -93,6 +94,7 @@ class BertConfig(EncoderDefaults):
     type_vocab_size: int
     pad_token_id: int
     num_labels: int
+    mlm_head: bool = False  # load the masked-LM head (SPLADE's sparse output)
 
     @property
     def position_offset(self) -> int:
@@ -104,7 +106,7 @@ class BertConfig(EncoderDefaults):
         return self.max_position_embeddings - self.position_offset
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> BertConfig:
+    def from_dict(cls, raw: Mapping[str, Any], mlm_head: bool = False) -> BertConfig:
         archs = raw.get("architectures") or []
         if len(archs) > 1:
             raise EngineError(f"config.json lists several architectures {archs}; expected one")
@@ -149,6 +151,7 @@ class BertConfig(EncoderDefaults):
                     else _DEFAULT_PAD[family]
                 ),
                 num_labels=_num_labels(raw) if classifier else 0,
+                mlm_head=mlm_head,
             )
         except KeyError as exc:
             raise EngineError(f"config.json: missing key {exc.args[0]!r}") from None
@@ -170,7 +173,16 @@ def engine_config(raw: Mapping[str, Any], options: FamilyOptions) -> BertConfig:
         raise EngineError(
             "modules.json: a LogitScore module needs a causal LM; BERT and XLM-R have no LM head here"
         )
-    return BertConfig.from_dict(raw)
+    if options.lm_head and _is_classifier(raw):
+        raise EngineError(
+            "modules.json: SpladePooling needs a masked-LM checkpoint, not a classifier"
+        )
+    return BertConfig.from_dict(raw, mlm_head=options.lm_head)
+
+
+def _is_classifier(raw: Mapping[str, Any]) -> bool:
+    archs = raw.get("architectures") or []
+    return bool(archs) and ARCHITECTURES.get(archs[0], ("", False))[1]
 
 
 def _num_labels(raw: Mapping[str, Any]) -> int:
@@ -287,6 +299,25 @@ class ClassificationHead(nn.Module):
         return self.proj(torch.tanh(self.dense(cls_hidden)))  # [B, num_labels]
 
 
+class MaskedLMHead(nn.Module):
+    """The masked-LM head, hidden [N, H] → logits [N, V]: dense, activation, LayerNorm, then
+    the decoder, whose weight is the word embeddings (tied) plus a bias of its own.
+
+    BertForMaskedLM (``cls.predictions``) uses config.json's ``hidden_act``; XLM-R's
+    ``lm_head`` uses exact GELU. SPLADE's sparse output reads these logits."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.act = _ACTIVATIONS[cfg.hidden_act if cfg.family == "bert" else "gelu"]
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+
+    def forward(self, hidden: torch.Tensor, word_embeddings: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.act(self.dense(hidden)))  # [N, H]
+        return F.linear(x, word_embeddings, self.bias)  # [N, V]
+
+
 # -- weights ---------------------------------------------------------------------------------
 
 
@@ -345,6 +376,30 @@ def _head_weights(
     }
 
 
+def _mlm_weights(cfg: BertConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
+    """Masked-LM head parameters by their full checkpoint names (the decoder weight is the
+    word embeddings; a saved copy of it is checked to be that, see `load_weights`)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    if cfg.family == "bert":
+        dense, norm, bias = (
+            "cls.predictions.transform.dense",
+            "cls.predictions.transform.LayerNorm",
+            "cls.predictions.bias",
+        )
+    else:
+        dense, norm, bias = ("lm_head.dense", "lm_head.layer_norm", "lm_head.bias")
+    return {
+        "mlm.dense.weight": ((f"{dense}.weight",), (h, h)),
+        "mlm.dense.bias": ((f"{dense}.bias",), (h,)),
+        "mlm.norm.weight": ((f"{norm}.weight",), (h,)),
+        "mlm.norm.bias": ((f"{norm}.bias",), (h,)),
+        "mlm.bias": ((bias,), (v,)),
+    }
+
+
+_MLM_DECODERS = {"bert": "cls.predictions.decoder", "xlm-roberta": "lm_head.decoder"}
+
+
 def _with_legacy_norm_names(
     tensors: Mapping[str, torch.Tensor], wanted: set[str]
 ) -> dict[str, torch.Tensor]:
@@ -379,6 +434,8 @@ def load_weights(cfg: BertConfig, tensors: Mapping[str, torch.Tensor]) -> dict[s
     }
     if cfg.classifier:
         spec.update(_head_weights(cfg, prefix))
+    if cfg.mlm_head:
+        spec.update(_mlm_weights(cfg))
     used = {s for srcs, _ in spec.values() for s in srcs}
     tensors = _with_legacy_norm_names(tensors, used)
     missing = sorted(s for s in used if s not in tensors)
@@ -410,7 +467,22 @@ def load_weights(cfg: BertConfig, tensors: Mapping[str, torch.Tensor]) -> dict[s
                 f"weights: {'+'.join(srcs)} has shape {tuple(value.shape)}, expected {shape}"
             )
         state[dst] = value
+    if cfg.mlm_head:
+        _check_tied_decoder(cfg, tensors, state["encoder.embeddings.word.weight"])
     return state
+
+
+def _check_tied_decoder(
+    cfg: BertConfig, tensors: Mapping[str, torch.Tensor], words: torch.Tensor
+) -> None:
+    """A saved decoder weight must be the word embeddings (the head ties them)."""
+    decoder = _MLM_DECODERS[cfg.family]
+    weight = tensors.get(f"{decoder}.weight")
+    if weight is not None and not torch.equal(weight, words):
+        raise EngineError(
+            f"weights: {decoder}.weight differs from the word embeddings; only a tied "
+            "masked-LM decoder is supported"
+        )
 
 
 class BertFamilyModel(FamilyModule):
@@ -421,6 +493,12 @@ class BertFamilyModel(FamilyModule):
         self.cfg = cfg
         self.encoder = BertEncoder(cfg)
         self.head = ClassificationHead(cfg) if cfg.classifier else None
+        self.mlm = MaskedLMHead(cfg) if cfg.mlm_head else None
+
+    def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] → masked-LM logits [N, V] (models loaded with the head only)."""
+        assert self.mlm is not None
+        return self.mlm(hidden, self.encoder.embeddings.word.weight)
 
     def pack_weights(self, batch_hint: int = 512) -> int:
         """Run every linear layer on oneDNN-packed weights with the MLP activation fused

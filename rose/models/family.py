@@ -22,11 +22,15 @@ class FamilyOptions:
     score_tokens: (true token id, false token id or None) when the directory's
         sentence-transformers modules end in a ``LogitScore`` (a causal LM used as a
         reranker: one logit, the true token's LM logit minus the false token's); else None.
+    lm_head: the directory's sentence-transformers modules end in ``SpladePooling``: load
+        the masked-LM head too, as ``mlm_logits(hidden [N, H]) -> [N, V]`` on the model
+        (families without one leave it out; the engine then refuses the directory).
     A family raises EngineError for an option it cannot honour.
     """
 
     attention_mode: str = "auto"
     score_tokens: tuple[int, int | None] | None = None
+    lm_head: bool = False
 
 
 class EncoderConfig(Protocol):

@@ -24,25 +24,27 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/trellis/v1/inference.proto\x12\ntrellis.v1\"\xc4\x01\n\x0b\x43\x61llRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12)\n\x05\x65mbed\x18\x03 \x01(\x0b\x32\x18.trellis.v1.EmbedRequestH\x00\x12)\n\x05score\x18\x04 \x01(\x0b\x32\x18.trellis.v1.ScoreRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x05 \x01(\x08H\x00\x12\x10\n\x08\x61\x64mitted\x18\x06 \x01(\x08\x12\x13\n\x0btraceparent\x18\x07 \x01(\tB\x06\n\x04\x63\x61ll\"\xa4\x01\n\x0c\x43\x61llResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12*\n\x05\x65mbed\x18\x02 \x01(\x0b\x32\x19.trellis.v1.EmbedResponseH\x00\x12*\n\x05score\x18\x03 \x01(\x0b\x32\x19.trellis.v1.ScoreResponseH\x00\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x15.trellis.v1.CallErrorH\x00\x42\x08\n\x06result\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"*\n\nTokenBatch\x12\x0b\n\x03ids\x18\x01 \x01(\x0c\x12\x0f\n\x07lengths\x18\x02 \x03(\r\"G\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.trellis.v1.DType\"0\n\x06Timing\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x14\n\x0cinference_us\x18\x02 \x01(\x04\"\xe0\x01\n\x0c\x45mbedRequest\x12&\n\x06inputs\x18\x01 \x01(\x0b\x32\x16.trellis.v1.TokenBatch\x12$\n\x07pooling\x18\x02 \x01(\x0e\x32\x13.trellis.v1.Pooling\x12(\n\tnormalize\x18\x03 \x01(\x0e\x32\x15.trellis.v1.Normalize\x12\x12\n\ndimensions\x18\x04 \x01(\r\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.trellis.v1.DType\x12\x13\n\x0bspan_counts\x18\x06 \x03(\r\x12\r\n\x05spans\x18\x07 \x03(\r\"r\n\rEmbedResponse\x12&\n\nembeddings\x18\x01 \x01(\x0b\x32\x12.trellis.v1.Tensor\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x04\x12\"\n\x06timing\x18\x03 \x01(\x0b\x32\x12.trellis.v1.Timing\"\x80\x01\n\x0cScoreRequest\x12%\n\x05pairs\x18\x01 \x01(\x0b\x32\x16.trellis.v1.TokenBatch\x12\x1d\n\x15\x66irst_segment_lengths\x18\x02 \x03(\r\x12*\n\nactivation\x18\x03 \x01(\x0e\x32\x16.trellis.v1.Activation\"n\n\rScoreResponse\x12\"\n\x06scores\x18\x01 \x01(\x0b\x32\x12.trellis.v1.Tensor\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x04\x12\"\n\x06timing\x18\x03 \x01(\x0b\x32\x12.trellis.v1.Timing\"\r\n\x0bInfoRequest\"\xcf\x02\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.trellis.v1.ModelKind\x12\x12\n\ndimensions\x18\x03 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x12\n\nnum_labels\x18\x06 \x01(\r\x12,\n\x0f\x64\x65\x66\x61ult_pooling\x18\x07 \x01(\x0e\x32\x13.trellis.v1.Pooling\x12\x19\n\x11\x64\x65\x66\x61ult_normalize\x18\x08 \x01(\x08\x12\x14\n\x0cquery_prompt\x18\t \x01(\t\x12\x17\n\x0f\x64ocument_prompt\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x19\n\x11seconds_per_token\x18\r \x01(\x02\"\xae\x01\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"T\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x01(\x0c\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.trellis.v1.SamplingOptions\"A\n\rGenerateUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xb2\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.trellis.v1.FinishReason\x12(\n\x05usage\x18\x04 \x01(\x0b\x32\x19.trellis.v1.GenerateUsage\x12\"\n\x06timing\x18\x05 \x01(\x0b\x32\x12.trellis.v1.Timing*Y\n\x07Pooling\x12\x13\n\x0fPOOLING_DEFAULT\x10\x00\x12\x10\n\x0cPOOLING_MEAN\x10\x01\x12\x0f\n\x0bPOOLING_CLS\x10\x02\x12\x16\n\x12POOLING_LAST_TOKEN\x10\x03*-\n\x05\x44Type\x12\x11\n\rDTYPE_FLOAT32\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01*G\n\tNormalize\x12\x15\n\x11NORMALIZE_DEFAULT\x10\x00\x12\x10\n\x0cNORMALIZE_ON\x10\x01\x12\x11\n\rNORMALIZE_OFF\x10\x02*Q\n\nActivation\x12\x16\n\x12\x41\x43TIVATION_DEFAULT\x10\x00\x12\x13\n\x0f\x41\x43TIVATION_NONE\x10\x01\x12\x16\n\x12\x41\x43TIVATION_SIGMOID\x10\x02*y\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14MODEL_KIND_EMBEDDING\x10\x01\x12\x1c\n\x18MODEL_KIND_CROSS_ENCODER\x10\x02\x12\x18\n\x14MODEL_KIND_GENERATOR\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xcb\x02\n\tInference\x12<\n\x05\x45mbed\x12\x18.trellis.v1.EmbedRequest\x1a\x19.trellis.v1.EmbedResponse\x12<\n\x05Score\x12\x18.trellis.v1.ScoreRequest\x1a\x19.trellis.v1.ScoreResponse\x12\x39\n\x04Info\x12\x17.trellis.v1.InfoRequest\x1a\x18.trellis.v1.InfoResponse\x12G\n\x08Generate\x12\x1b.trellis.v1.GenerateRequest\x1a\x1c.trellis.v1.GenerateResponse0\x01\x12>\n\x05\x43\x61lls\x12\x17.trellis.v1.CallRequest\x1a\x18.trellis.v1.CallResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/trellis/v1/inference.proto\x12\ntrellis.v1\"\xc4\x01\n\x0b\x43\x61llRequest\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x02 \x01(\r\x12)\n\x05\x65mbed\x18\x03 \x01(\x0b\x32\x18.trellis.v1.EmbedRequestH\x00\x12)\n\x05score\x18\x04 \x01(\x0b\x32\x18.trellis.v1.ScoreRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x05 \x01(\x08H\x00\x12\x10\n\x08\x61\x64mitted\x18\x06 \x01(\x08\x12\x13\n\x0btraceparent\x18\x07 \x01(\tB\x06\n\x04\x63\x61ll\"\xa4\x01\n\x0c\x43\x61llResponse\x12\n\n\x02id\x18\x01 \x01(\x04\x12*\n\x05\x65mbed\x18\x02 \x01(\x0b\x32\x19.trellis.v1.EmbedResponseH\x00\x12*\n\x05score\x18\x03 \x01(\x0b\x32\x19.trellis.v1.ScoreResponseH\x00\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x15.trellis.v1.CallErrorH\x00\x42\x08\n\x06result\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"*\n\nTokenBatch\x12\x0b\n\x03ids\x18\x01 \x01(\x0c\x12\x0f\n\x07lengths\x18\x02 \x03(\r\"G\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\r\x12 \n\x05\x64type\x18\x03 \x01(\x0e\x32\x11.trellis.v1.DType\"0\n\x06Timing\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x14\n\x0cinference_us\x18\x02 \x01(\x04\"@\n\rSparseVectors\x12\x0f\n\x07indices\x18\x01 \x01(\x0c\x12\x0e\n\x06values\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63ounts\x18\x03 \x03(\r\"C\n\x0cTokenVectors\x12#\n\x07vectors\x18\x01 \x01(\x0b\x32\x12.trellis.v1.Tensor\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\r\"\x85\x02\n\x0c\x45mbedRequest\x12&\n\x06inputs\x18\x01 \x01(\x0b\x32\x16.trellis.v1.TokenBatch\x12$\n\x07pooling\x18\x02 \x01(\x0e\x32\x13.trellis.v1.Pooling\x12(\n\tnormalize\x18\x03 \x01(\x0e\x32\x15.trellis.v1.Normalize\x12\x12\n\ndimensions\x18\x04 \x01(\r\x12 \n\x05\x64type\x18\x05 \x01(\x0e\x32\x11.trellis.v1.DType\x12\x13\n\x0bspan_counts\x18\x06 \x03(\r\x12\r\n\x05spans\x18\x07 \x03(\r\x12#\n\x07outputs\x18\x08 \x03(\x0e\x32\x12.trellis.v1.Output\"\xfe\x01\n\rEmbedResponse\x12&\n\nembeddings\x18\x01 \x01(\x0b\x32\x12.trellis.v1.Tensor\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x04\x12\"\n\x06timing\x18\x03 \x01(\x0b\x32\x12.trellis.v1.Timing\x12)\n\x06sparse\x18\x04 \x01(\x0b\x32\x19.trellis.v1.SparseVectors\x12/\n\rmulti_vectors\x18\x05 \x01(\x0b\x32\x18.trellis.v1.TokenVectors\x12.\n\x0ctoken_states\x18\x06 \x01(\x0b\x32\x18.trellis.v1.TokenVectors\"\x80\x01\n\x0cScoreRequest\x12%\n\x05pairs\x18\x01 \x01(\x0b\x32\x16.trellis.v1.TokenBatch\x12\x1d\n\x15\x66irst_segment_lengths\x18\x02 \x03(\r\x12*\n\nactivation\x18\x03 \x01(\x0e\x32\x16.trellis.v1.Activation\"n\n\rScoreResponse\x12\"\n\x06scores\x18\x01 \x01(\x0b\x32\x12.trellis.v1.Tensor\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x04\x12\"\n\x06timing\x18\x03 \x01(\x0b\x32\x12.trellis.v1.Timing\"\r\n\x0bInfoRequest\"\xf4\x02\n\x0cInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12#\n\x04kind\x18\x02 \x01(\x0e\x32\x15.trellis.v1.ModelKind\x12\x12\n\ndimensions\x18\x03 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x12\n\nnum_labels\x18\x06 \x01(\r\x12,\n\x0f\x64\x65\x66\x61ult_pooling\x18\x07 \x01(\x0e\x32\x13.trellis.v1.Pooling\x12\x19\n\x11\x64\x65\x66\x61ult_normalize\x18\x08 \x01(\x08\x12\x14\n\x0cquery_prompt\x18\t \x01(\t\x12\x17\n\x0f\x64ocument_prompt\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\r\n\x05\x64type\x18\x0c \x01(\t\x12\x19\n\x11seconds_per_token\x18\r \x01(\x02\x12#\n\x07outputs\x18\x0e \x03(\x0e\x32\x12.trellis.v1.Output\"\xae\x01\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x07\n\x05_seed\"T\n\x0fGenerateRequest\x12\x12\n\nprompt_ids\x18\x01 \x01(\x0c\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.trellis.v1.SamplingOptions\"A\n\rGenerateUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xb2\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.trellis.v1.FinishReason\x12(\n\x05usage\x18\x04 \x01(\x0b\x32\x19.trellis.v1.GenerateUsage\x12\"\n\x06timing\x18\x05 \x01(\x0b\x32\x12.trellis.v1.Timing*Y\n\x07Pooling\x12\x13\n\x0fPOOLING_DEFAULT\x10\x00\x12\x10\n\x0cPOOLING_MEAN\x10\x01\x12\x0f\n\x0bPOOLING_CLS\x10\x02\x12\x16\n\x12POOLING_LAST_TOKEN\x10\x03*-\n\x05\x44Type\x12\x11\n\rDTYPE_FLOAT32\x10\x00\x12\x11\n\rDTYPE_FLOAT16\x10\x01*G\n\tNormalize\x12\x15\n\x11NORMALIZE_DEFAULT\x10\x00\x12\x10\n\x0cNORMALIZE_ON\x10\x01\x12\x11\n\rNORMALIZE_OFF\x10\x02*Q\n\nActivation\x12\x16\n\x12\x41\x43TIVATION_DEFAULT\x10\x00\x12\x13\n\x0f\x41\x43TIVATION_NONE\x10\x01\x12\x16\n\x12\x41\x43TIVATION_SIGMOID\x10\x02*_\n\x06Output\x12\x10\n\x0cOUTPUT_DENSE\x10\x00\x12\x11\n\rOUTPUT_SPARSE\x10\x01\x12\x17\n\x13OUTPUT_MULTI_VECTOR\x10\x02\x12\x17\n\x13OUTPUT_TOKEN_STATES\x10\x03*y\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14MODEL_KIND_EMBEDDING\x10\x01\x12\x1c\n\x18MODEL_KIND_CROSS_ENCODER\x10\x02\x12\x18\n\x14MODEL_KIND_GENERATOR\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xcb\x02\n\tInference\x12<\n\x05\x45mbed\x12\x18.trellis.v1.EmbedRequest\x1a\x19.trellis.v1.EmbedResponse\x12<\n\x05Score\x12\x18.trellis.v1.ScoreRequest\x1a\x19.trellis.v1.ScoreResponse\x12\x39\n\x04Info\x12\x17.trellis.v1.InfoRequest\x1a\x18.trellis.v1.InfoResponse\x12G\n\x08Generate\x12\x1b.trellis.v1.GenerateRequest\x1a\x1c.trellis.v1.GenerateResponse0\x01\x12>\n\x05\x43\x61lls\x12\x17.trellis.v1.CallRequest\x1a\x18.trellis.v1.CallResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.trellis.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_POOLING']._serialized_start=2076
-  _globals['_POOLING']._serialized_end=2165
-  _globals['_DTYPE']._serialized_start=2167
-  _globals['_DTYPE']._serialized_end=2212
-  _globals['_NORMALIZE']._serialized_start=2214
-  _globals['_NORMALIZE']._serialized_end=2285
-  _globals['_ACTIVATION']._serialized_start=2287
-  _globals['_ACTIVATION']._serialized_end=2368
-  _globals['_MODELKIND']._serialized_start=2370
-  _globals['_MODELKIND']._serialized_end=2491
-  _globals['_FINISHREASON']._serialized_start=2493
-  _globals['_FINISHREASON']._serialized_end=2588
+  _globals['_POOLING']._serialized_start=2426
+  _globals['_POOLING']._serialized_end=2515
+  _globals['_DTYPE']._serialized_start=2517
+  _globals['_DTYPE']._serialized_end=2562
+  _globals['_NORMALIZE']._serialized_start=2564
+  _globals['_NORMALIZE']._serialized_end=2635
+  _globals['_ACTIVATION']._serialized_start=2637
+  _globals['_ACTIVATION']._serialized_end=2718
+  _globals['_OUTPUT']._serialized_start=2720
+  _globals['_OUTPUT']._serialized_end=2815
+  _globals['_MODELKIND']._serialized_start=2817
+  _globals['_MODELKIND']._serialized_end=2938
+  _globals['_FINISHREASON']._serialized_start=2940
+  _globals['_FINISHREASON']._serialized_end=3035
   _globals['_CALLREQUEST']._serialized_start=50
   _globals['_CALLREQUEST']._serialized_end=246
   _globals['_CALLRESPONSE']._serialized_start=249
@@ -55,26 +57,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_end=574
   _globals['_TIMING']._serialized_start=576
   _globals['_TIMING']._serialized_end=624
-  _globals['_EMBEDREQUEST']._serialized_start=627
-  _globals['_EMBEDREQUEST']._serialized_end=851
-  _globals['_EMBEDRESPONSE']._serialized_start=853
-  _globals['_EMBEDRESPONSE']._serialized_end=967
-  _globals['_SCOREREQUEST']._serialized_start=970
-  _globals['_SCOREREQUEST']._serialized_end=1098
-  _globals['_SCORERESPONSE']._serialized_start=1100
-  _globals['_SCORERESPONSE']._serialized_end=1210
-  _globals['_INFOREQUEST']._serialized_start=1212
-  _globals['_INFOREQUEST']._serialized_end=1225
-  _globals['_INFORESPONSE']._serialized_start=1228
-  _globals['_INFORESPONSE']._serialized_end=1563
-  _globals['_SAMPLINGOPTIONS']._serialized_start=1566
-  _globals['_SAMPLINGOPTIONS']._serialized_end=1740
-  _globals['_GENERATEREQUEST']._serialized_start=1742
-  _globals['_GENERATEREQUEST']._serialized_end=1826
-  _globals['_GENERATEUSAGE']._serialized_start=1828
-  _globals['_GENERATEUSAGE']._serialized_end=1893
-  _globals['_GENERATERESPONSE']._serialized_start=1896
-  _globals['_GENERATERESPONSE']._serialized_end=2074
-  _globals['_INFERENCE']._serialized_start=2591
-  _globals['_INFERENCE']._serialized_end=2922
+  _globals['_SPARSEVECTORS']._serialized_start=626
+  _globals['_SPARSEVECTORS']._serialized_end=690
+  _globals['_TOKENVECTORS']._serialized_start=692
+  _globals['_TOKENVECTORS']._serialized_end=759
+  _globals['_EMBEDREQUEST']._serialized_start=762
+  _globals['_EMBEDREQUEST']._serialized_end=1023
+  _globals['_EMBEDRESPONSE']._serialized_start=1026
+  _globals['_EMBEDRESPONSE']._serialized_end=1280
+  _globals['_SCOREREQUEST']._serialized_start=1283
+  _globals['_SCOREREQUEST']._serialized_end=1411
+  _globals['_SCORERESPONSE']._serialized_start=1413
+  _globals['_SCORERESPONSE']._serialized_end=1523
+  _globals['_INFOREQUEST']._serialized_start=1525
+  _globals['_INFOREQUEST']._serialized_end=1538
+  _globals['_INFORESPONSE']._serialized_start=1541
+  _globals['_INFORESPONSE']._serialized_end=1913
+  _globals['_SAMPLINGOPTIONS']._serialized_start=1916
+  _globals['_SAMPLINGOPTIONS']._serialized_end=2090
+  _globals['_GENERATEREQUEST']._serialized_start=2092
+  _globals['_GENERATEREQUEST']._serialized_end=2176
+  _globals['_GENERATEUSAGE']._serialized_start=2178
+  _globals['_GENERATEUSAGE']._serialized_end=2243
+  _globals['_GENERATERESPONSE']._serialized_start=2246
+  _globals['_GENERATERESPONSE']._serialized_end=2424
+  _globals['_INFERENCE']._serialized_start=3038
+  _globals['_INFERENCE']._serialized_end=3369
 # @@protoc_insertion_point(module_scope)

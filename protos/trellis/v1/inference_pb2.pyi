@@ -31,6 +31,13 @@ class Activation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACTIVATION_NONE: _ClassVar[Activation]
     ACTIVATION_SIGMOID: _ClassVar[Activation]
 
+class Output(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_DENSE: _ClassVar[Output]
+    OUTPUT_SPARSE: _ClassVar[Output]
+    OUTPUT_MULTI_VECTOR: _ClassVar[Output]
+    OUTPUT_TOKEN_STATES: _ClassVar[Output]
+
 class ModelKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     MODEL_KIND_UNSPECIFIED: _ClassVar[ModelKind]
@@ -55,6 +62,10 @@ NORMALIZE_OFF: Normalize
 ACTIVATION_DEFAULT: Activation
 ACTIVATION_NONE: Activation
 ACTIVATION_SIGMOID: Activation
+OUTPUT_DENSE: Output
+OUTPUT_SPARSE: Output
+OUTPUT_MULTI_VECTOR: Output
+OUTPUT_TOKEN_STATES: Output
 MODEL_KIND_UNSPECIFIED: ModelKind
 MODEL_KIND_EMBEDDING: ModelKind
 MODEL_KIND_CROSS_ENCODER: ModelKind
@@ -127,8 +138,26 @@ class Timing(_message.Message):
     inference_us: int
     def __init__(self, queue_us: _Optional[int] = ..., inference_us: _Optional[int] = ...) -> None: ...
 
+class SparseVectors(_message.Message):
+    __slots__ = ("indices", "values", "counts")
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    indices: bytes
+    values: bytes
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, indices: _Optional[bytes] = ..., values: _Optional[bytes] = ..., counts: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenVectors(_message.Message):
+    __slots__ = ("vectors", "counts")
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    vectors: Tensor
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, vectors: _Optional[_Union[Tensor, _Mapping]] = ..., counts: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class EmbedRequest(_message.Message):
-    __slots__ = ("inputs", "pooling", "normalize", "dimensions", "dtype", "span_counts", "spans")
+    __slots__ = ("inputs", "pooling", "normalize", "dimensions", "dtype", "span_counts", "spans", "outputs")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +165,7 @@ class EmbedRequest(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SPAN_COUNTS_FIELD_NUMBER: _ClassVar[int]
     SPANS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     inputs: TokenBatch
     pooling: Pooling
     normalize: Normalize
@@ -143,17 +173,24 @@ class EmbedRequest(_message.Message):
     dtype: DType
     span_counts: _containers.RepeatedScalarFieldContainer[int]
     spans: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, inputs: _Optional[_Union[TokenBatch, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[_Union[Normalize, str]] = ..., dimensions: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., span_counts: _Optional[_Iterable[int]] = ..., spans: _Optional[_Iterable[int]] = ...) -> None: ...
+    outputs: _containers.RepeatedScalarFieldContainer[Output]
+    def __init__(self, inputs: _Optional[_Union[TokenBatch, _Mapping]] = ..., pooling: _Optional[_Union[Pooling, str]] = ..., normalize: _Optional[_Union[Normalize, str]] = ..., dimensions: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., span_counts: _Optional[_Iterable[int]] = ..., spans: _Optional[_Iterable[int]] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("embeddings", "prompt_tokens", "timing")
+    __slots__ = ("embeddings", "prompt_tokens", "timing", "sparse", "multi_vectors", "token_states")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    MULTI_VECTORS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STATES_FIELD_NUMBER: _ClassVar[int]
     embeddings: Tensor
     prompt_tokens: int
     timing: Timing
-    def __init__(self, embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ...) -> None: ...
+    sparse: SparseVectors
+    multi_vectors: TokenVectors
+    token_states: TokenVectors
+    def __init__(self, embeddings: _Optional[_Union[Tensor, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., timing: _Optional[_Union[Timing, _Mapping]] = ..., sparse: _Optional[_Union[SparseVectors, _Mapping]] = ..., multi_vectors: _Optional[_Union[TokenVectors, _Mapping]] = ..., token_states: _Optional[_Union[TokenVectors, _Mapping]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("pairs", "first_segment_lengths", "activation")
@@ -180,7 +217,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_name", "kind", "dimensions", "max_input_tokens", "vocab_size", "num_labels", "default_pooling", "default_normalize", "query_prompt", "document_prompt", "device", "dtype", "seconds_per_token")
+    __slots__ = ("model_name", "kind", "dimensions", "max_input_tokens", "vocab_size", "num_labels", "default_pooling", "default_normalize", "query_prompt", "document_prompt", "device", "dtype", "seconds_per_token", "outputs")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +231,7 @@ class InfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     kind: ModelKind
     dimensions: int
@@ -207,7 +245,8 @@ class InfoResponse(_message.Message):
     device: str
     dtype: str
     seconds_per_token: float
-    def __init__(self, model_name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., dimensions: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_labels: _Optional[int] = ..., default_pooling: _Optional[_Union[Pooling, str]] = ..., default_normalize: _Optional[bool] = ..., query_prompt: _Optional[str] = ..., document_prompt: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seconds_per_token: _Optional[float] = ...) -> None: ...
+    outputs: _containers.RepeatedScalarFieldContainer[Output]
+    def __init__(self, model_name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., dimensions: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_labels: _Optional[int] = ..., default_pooling: _Optional[_Union[Pooling, str]] = ..., default_normalize: _Optional[bool] = ..., query_prompt: _Optional[str] = ..., document_prompt: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., seconds_per_token: _Optional[float] = ..., outputs: _Optional[_Iterable[_Union[Output, str]]] = ...) -> None: ...
 
 class SamplingOptions(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
