@@ -146,3 +146,52 @@ def test_segments_are_dropped_for_models_with_one_token_type() -> None:
     bad = pb.ScoreRequest(pairs=pack_token_batch([[0, 4]]), first_segment_lengths=[3])
     with pytest.raises(InvalidInput, match=r"pairs\[0\]: first segment"):
         score_work(bad, one_type)
+
+
+BGE_M3 = ModelLimits(
+    kind="embedding",
+    vocab_size=1000,
+    max_input_tokens=8,
+    dimensions=16,
+    default_normalize=True,
+    outputs=frozenset({"dense", "sparse", "multi_vector", "token_states"}),
+)
+
+
+def with_outputs(rows: list[list[int]], outputs: list[int]) -> pb.EmbedRequest:
+    request = embed(rows)
+    request.outputs.extend(outputs)
+    return request
+
+
+def test_output_kinds_travel_with_the_work() -> None:
+    request = with_outputs([[0, 5, 2]], [pb.OUTPUT_SPARSE, pb.OUTPUT_MULTI_VECTOR])
+    work, options = embed_work(request, BGE_M3)
+    assert work.kinds == {"sparse", "multi_vector"}
+    assert options.outputs == {"sparse", "multi_vector"}  # no dense: not asked for
+    plain, defaults = embed_work(embed([[1]]), BGE_M3)
+    assert plain.kinds is None and defaults.outputs == {"dense"}
+    dense, _ = embed_work(with_outputs([[1]], [pb.OUTPUT_DENSE]), EMBEDDER)
+    assert dense.kinds is None
+
+
+@pytest.mark.parametrize(
+    ("limits", "request_", "message"),
+    [
+        (EMBEDDER, with_outputs([[1]], [pb.OUTPUT_SPARSE]), r"outputs\[0\]: .* cannot give sparse"),
+        (BGE_M3, with_outputs([[1]], [pb.OUTPUT_DENSE, pb.OUTPUT_DENSE]), r"outputs\[1\]: dense"),
+        (BGE_M3, with_outputs([[1]], [9]), r"outputs\[0\]: unknown value 9"),
+    ],
+)
+def test_invalid_outputs_are_named(
+    limits: ModelLimits, request_: pb.EmbedRequest, message: str
+) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        embed_work(request_, limits)
+
+
+def test_outputs_beyond_dense_do_not_combine_with_spans() -> None:
+    request = spans([[0, 5, 6, 2]], [1], [1, 3])
+    request.outputs.append(pb.OUTPUT_TOKEN_STATES)
+    with pytest.raises(InvalidInput, match="token_states do not combine with spans"):
+        embed_work(request, BGE_M3)

@@ -22,8 +22,8 @@ import numpy as np
 
 from protos.trellis.v1 import inference_pb2 as pb
 from tulip.config import TulipConfig
-from tulip.inputs import ModelLimits
-from tulip.scheduler import BatchInputs
+from tulip.inputs import OUTPUT_NAMES, ModelLimits
+from tulip.scheduler import BatchInputs, BatchOutputs, Ragged
 from tulip.service import ServedModel
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ _KINDS = {
     "generator": pb.MODEL_KIND_GENERATOR,
 }
 _POOLINGS = {"mean": pb.POOLING_MEAN, "cls": pb.POOLING_CLS, "last": pb.POOLING_LAST_TOKEN}
+_OUTPUTS = {name: value for value, name in OUTPUT_NAMES.items()}
 _WARMUP_TOKENS = 16
 _CPU_BATCH_TOKENS = 2048
 _GPU_BATCH_TOKENS = 16384
@@ -55,6 +56,7 @@ class RoseBackend:
     def __init__(self, engine: Any, model_name: str, token_types: int = 2) -> None:
         self._engine = engine
         info = engine.info
+        outputs = tuple(getattr(info, "outputs", ("dense",)) or ())
         self.served = ServedModel(
             name=model_name,
             limits=ModelLimits(
@@ -64,6 +66,7 @@ class RoseBackend:
                 dimensions=int(info.dimensions or 0),
                 default_normalize=bool(info.default_normalize),
                 token_types=token_types,
+                outputs=frozenset(outputs) if info.kind == "embedding" else frozenset(),
             ),
             info=pb.InfoResponse(
                 model_name=model_name,
@@ -78,6 +81,9 @@ class RoseBackend:
                 document_prompt=info.document_prompt or "",
                 device=str(info.device),
                 dtype=str(info.dtype).removeprefix("torch."),
+                outputs=[_OUTPUTS[o] for o in outputs if o in _OUTPUTS]
+                if info.kind == "embedding"
+                else [],
             ),
         )
         self._num_labels = int(info.num_labels or 0)
@@ -121,7 +127,7 @@ class RoseBackend:
 
     # -- the scheduler's Backend protocol ------------------------------------------------
 
-    def step(self, batch: BatchInputs) -> Awaitable[np.ndarray]:
+    def step(self, batch: BatchInputs) -> Awaitable[np.ndarray | BatchOutputs]:
         """Queue `batch` on the engine thread now; the awaitable yields its result rows."""
         submitted = self._thread.submit(self._step, batch)
         if self._on_cpu:
@@ -139,7 +145,17 @@ class RoseBackend:
             normalize=batch.normalize,
             span_counts=batch.span_counts,
             spans=batch.spans,
+            kinds=batch.kinds,
         )
+        if batch.kinds is not None:
+            # Extra kinds are on the host when step_outputs returns (eager, data-dependent
+            # shapes); only the dense rows may still be on their way.
+            found = self._engine.step_outputs(ragged)
+            extras = {
+                kind: Ragged(rows.counts, rows.values, rows.indices)
+                for kind, rows in found.extras().items()
+            }
+            return BatchOutputs(found.dense.numpy(), extras)
         result = self._engine.step(ragged)
         # On the CPU the rows are final when `step` returns: hand the event loop plain
         # numpy rows (one wake-up, no await of the LazyTensor there). On CUDA the result
@@ -189,9 +205,9 @@ class RoseBackend:
         return apply_activation(logits, activation, self._num_labels)
 
 
-async def _rows(step: Future[Any]) -> np.ndarray:
+async def _rows(step: Future[Any]) -> np.ndarray | BatchOutputs:
     result = await asyncio.wrap_future(step)
-    if isinstance(result, np.ndarray):
+    if isinstance(result, (np.ndarray, BatchOutputs)):
         return result
     tensor = await result
     return tensor.numpy()

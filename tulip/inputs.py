@@ -17,6 +17,7 @@ from tulip.errors import InvalidInput
 
 __all__ = [
     "MAX_STOP_STRINGS",
+    "OUTPUT_NAMES",
     "EmbedOptions",
     "GenerateWork",
     "ModelLimits",
@@ -42,6 +43,14 @@ _ACTIVATION = {
     pb.ACTIVATION_SIGMOID: "sigmoid",
 }
 _DTYPES = frozenset({pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16})
+OUTPUT_NAMES = {
+    pb.OUTPUT_DENSE: "dense",
+    pb.OUTPUT_SPARSE: "sparse",
+    pb.OUTPUT_MULTI_VECTOR: "multi_vector",
+    pb.OUTPUT_TOKEN_STATES: "token_states",
+}
+"""Wire output kinds → the engine's names (`rose.batch.OUTPUT_KINDS`)."""
+_DENSE_ONLY = frozenset({"dense"})
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,8 @@ class ModelLimits:
     default_normalize: bool
     token_types: int = 2
     """Token types the model embeds (config.json ``type_vocab_size``)."""
+    outputs: frozenset[str] = _DENSE_ONLY
+    """Output kinds an Embed call may ask for (`OUTPUT_NAMES` values)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -74,6 +85,9 @@ class Work:
     """uint32 [rows], spans pooled per input (late chunking); None: one vector per input."""
     spans: np.ndarray | None = None
     """uint32 [spans, 2], each span's [start, end) within its input; None with span_counts."""
+    kinds: frozenset[str] | None = None
+    """Output kinds beyond the dense vector every input gets (sparse, multi_vector,
+    token_states); None: none."""
 
     @property
     def rows(self) -> int:
@@ -99,6 +113,8 @@ class EmbedOptions:
     """Whether rows are L2-normalized (after truncation)."""
     dtype: int
     """Wire dtype of the response tensor."""
+    outputs: frozenset[str] = _DENSE_ONLY
+    """Output kinds the response carries."""
 
 
 @dataclass(frozen=True)
@@ -216,6 +232,12 @@ def embed_work(request: pb.EmbedRequest, limits: ModelLimits) -> tuple[Work, Emb
     ids, lengths = _token_batch(request.inputs, "inputs", limits)
     normalize = _NORMALIZE[request.normalize]
     counts, spans = _spans(request, lengths)
+    outputs = _outputs(request, limits)
+    extra = outputs - _DENSE_ONLY
+    if extra and counts is not None:
+        raise InvalidInput(
+            f"outputs: {', '.join(sorted(extra))} do not combine with spans (dense only)"
+        )
     work = Work(
         ids=ids,
         lengths=lengths,
@@ -223,13 +245,35 @@ def embed_work(request: pb.EmbedRequest, limits: ModelLimits) -> tuple[Work, Emb
         normalize=normalize,
         span_counts=counts,
         spans=spans,
+        kinds=extra or None,
     )
     options = EmbedOptions(
         dimensions=request.dimensions or limits.dimensions,
         normalize=limits.default_normalize if normalize is None else normalize,
         dtype=request.dtype,
+        outputs=outputs,
     )
     return work, options
+
+
+def _outputs(request: pb.EmbedRequest, limits: ModelLimits) -> frozenset[str]:
+    """The output kinds asked for (empty: dense), each known, once, and offered."""
+    if not len(request.outputs):
+        return _DENSE_ONLY
+    names: list[str] = []
+    for i, value in enumerate(request.outputs):
+        name = OUTPUT_NAMES.get(value)
+        if name is None:
+            raise InvalidInput(f"outputs[{i}]: unknown value {value}")
+        if name in names:
+            raise InvalidInput(f"outputs[{i}]: {name} is asked for twice")
+        if name not in limits.outputs:
+            raise InvalidInput(
+                f"outputs[{i}]: the served model cannot give {name} output "
+                f"(it offers {', '.join(sorted(limits.outputs))})"
+            )
+        names.append(name)
+    return frozenset(names)
 
 
 def _spans(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import logging
 import time
@@ -38,7 +39,15 @@ from tulip.errors import DeadlineExpired, Draining, EngineFailed, Overloaded
 from tulip.inputs import Work
 from tulip.metrics import Metrics
 
-__all__ = ["Backend", "BatchInputs", "BatchLimits", "Result", "Scheduler"]
+__all__ = [
+    "Backend",
+    "BatchInputs",
+    "BatchLimits",
+    "BatchOutputs",
+    "Ragged",
+    "Result",
+    "Scheduler",
+]
 
 log = logging.getLogger("tulip.scheduler")
 
@@ -58,6 +67,8 @@ class BatchInputs:
     """[rows] spans per input when any request has spans (others count one whole-input span)."""
     spans: np.ndarray | None = None
     """[spans, 2] [start, end) of each span within its input."""
+    kinds: list[frozenset[str]] | None = None
+    """[rows] extra output kinds per input when any request asks for some (others: none)."""
 
     @property
     def rows(self) -> int:
@@ -73,11 +84,45 @@ class BatchInputs:
         return int(self.ids.size)
 
 
+@dataclass(frozen=True, eq=False)
+class Ragged:
+    """Variable-length results per input: input i owns the next ``counts[i]`` entries of
+    ``values`` (and of ``indices``, token ids of sparse weights)."""
+
+    counts: np.ndarray
+    values: np.ndarray
+    indices: np.ndarray | None = None
+
+    def inputs(self, start: int, stop: int) -> Ragged:
+        """Inputs start..stop-1 of the batch (the scheduler's split per request)."""
+        first = int(self.counts[:start].sum())
+        last = first + int(self.counts[start:stop].sum())
+        return Ragged(
+            self.counts[start:stop],
+            self.values[first:last],
+            None if self.indices is None else self.indices[first:last],
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class BatchOutputs:
+    """A batch's result when some request asked for more than dense rows: the rows and,
+    per extra output kind, every input's entries (0 for inputs that did not ask)."""
+
+    rows: np.ndarray
+    extras: dict[str, Ragged]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.rows.shape)
+
+
 class Backend(Protocol):
     """What the scheduler needs from an engine."""
 
-    def step(self, batch: BatchInputs) -> Awaitable[np.ndarray]:
-        """Start computing `batch` now; the awaitable yields one result row per input."""
+    def step(self, batch: BatchInputs) -> Awaitable[np.ndarray | BatchOutputs]:
+        """Start computing `batch` now; the awaitable yields one result row per input (one
+        per span with spans), as `BatchOutputs` when the batch has `kinds`."""
         ...
 
 
@@ -139,6 +184,8 @@ class Result:
     rows: np.ndarray
     queue_us: int
     inference_us: int
+    extras: dict[str, Ragged] = dataclasses.field(default_factory=dict)
+    """The request's entries of each extra output kind it asked for."""
 
 
 @dataclass(eq=False)
@@ -160,7 +207,7 @@ class _Flight:
     submitted: float
     outputs: int
     """Result rows expected: one per input, or one per span."""
-    task: asyncio.Future[np.ndarray]
+    task: asyncio.Future[np.ndarray | BatchOutputs]
     started: float | None = None
     """When the engine began this batch: its submission, or the previous batch's end."""
 
@@ -322,7 +369,7 @@ class Scheduler:
         except Exception:
             self._crash()
 
-    def _landed(self, _task: asyncio.Future[np.ndarray]) -> None:
+    def _landed(self, _task: asyncio.Future[np.ndarray | BatchOutputs]) -> None:
         """A batch finished: answer the batches done at the pipeline's head, in order,
         then launch what is queued."""
         if self._stopped:
@@ -426,7 +473,11 @@ class Scheduler:
             failure = EngineFailed(f"engine failed on a batch of {flight.rows} inputs: {error}")
             self._fail_or_isolate(flight.jobs, failure)
             return
-        output = flight.task.result()
+        result = flight.task.result()
+        extras: dict[str, Ragged] = {}
+        output = result
+        if isinstance(result, BatchOutputs):
+            output, extras = result.rows, result.extras
         if output.shape[0] != flight.outputs:
             failure = EngineFailed(f"engine returned {output.shape[0]} rows for {flight.outputs}")
             for job in flight.jobs:
@@ -434,20 +485,28 @@ class Scheduler:
                     job.future.set_exception(failure)
             return
         inference_us = int((ended - started) * 1e6)
-        offset = 0
+        offset = first_input = 0
         for job in flight.jobs:
             rows = job.work.outputs
             queue_s = started - job.admitted
             self._metrics.queue_seconds.observe(queue_s)
             if not job.future.done():  # a client that left after submission gets nothing
-                job.future.set_result(
-                    Result(
-                        rows=output[offset : offset + rows],
-                        queue_us=int(queue_s * 1e6),
-                        inference_us=inference_us,
+                stop = first_input + job.work.rows
+                wanted = job.work.kinds or frozenset()
+                if wanted - extras.keys():
+                    lost = ", ".join(sorted(wanted - extras.keys()))
+                    job.future.set_exception(EngineFailed(f"engine returned no {lost} output"))
+                else:
+                    job.future.set_result(
+                        Result(
+                            rows=output[offset : offset + rows],
+                            queue_us=int(queue_s * 1e6),
+                            inference_us=inference_us,
+                            extras={k: extras[k].inputs(first_input, stop) for k in wanted},
+                        )
                     )
-                )
             offset += rows
+            first_input += job.work.rows
 
     def _fail_or_isolate(self, jobs: list[_Job], failure: EngineFailed) -> None:
         """A failed batch of one request fails it; a shared one is retried request by
@@ -534,6 +593,12 @@ def _assemble(jobs: list[_Job]) -> BatchInputs:
                 for w in works
             ]
         )
+    kinds: list[frozenset[str]] | None = None
+    if any(w.kinds for w in works):
+        # Requests asking for different kinds share the batch: the engine computes each
+        # kind for the rows that ask only, and `_finish` hands each request its own.
+        none: frozenset[str] = frozenset()
+        kinds = [w.kinds or none for w in works for _ in range(w.rows)]
     return BatchInputs(
         ids=ids,
         lengths=lengths,
@@ -542,4 +607,5 @@ def _assemble(jobs: list[_Job]) -> BatchInputs:
         normalize=normalize,
         span_counts=span_counts,
         spans=spans,
+        kinds=kinds,
     )

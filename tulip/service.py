@@ -24,7 +24,7 @@ from tulip.calls import serve_calls
 from tulip.errors import InvalidInput, NotReady, TulipError, status_code
 from tulip.inputs import GenerateWork, ModelLimits, embed_work, generate_work, score_work
 from tulip.metrics import Metrics
-from tulip.scheduler import Scheduler
+from tulip.scheduler import Ragged, Scheduler
 
 __all__ = ["GenerationStreamLike", "Generator", "InferenceService", "Model", "ServedModel"]
 
@@ -136,12 +136,21 @@ class InferenceService(pb_grpc.InferenceServicer):
         work, options = embed_work(request, model.served.limits)
         result = await scheduler.submit(work, deadline, admitted=admitted)
         _record_spans(traceparent, result.queue_us, result.inference_us, work.tokens)
-        rows = model.shape_embeddings(result.rows, options.dimensions, options.normalize)
-        return pb.EmbedResponse(
-            embeddings=pack_tensor(rows, options.dtype),
+        response = pb.EmbedResponse(
             prompt_tokens=work.tokens,
             timing=pb.Timing(queue_us=result.queue_us, inference_us=result.inference_us),
         )
+        if "dense" in options.outputs:
+            rows = model.shape_embeddings(result.rows, options.dimensions, options.normalize)
+            response.embeddings.CopyFrom(pack_tensor(rows, options.dtype))
+        extras = result.extras
+        if "sparse" in extras:
+            _pack_sparse(response.sparse, extras["sparse"])
+        if "multi_vector" in extras:
+            _pack_vectors(response.multi_vectors, extras["multi_vector"], options.dtype)
+        if "token_states" in extras:
+            _pack_vectors(response.token_states, extras["token_states"], options.dtype)
+        return response
 
     async def score(
         self,
@@ -230,6 +239,18 @@ class InferenceService(pb_grpc.InferenceServicer):
             raise
         self._metrics.requests.labels(method=method, status="OK").inc()
         return response
+
+
+def _pack_sparse(out: pb.SparseVectors, sparse: Ragged) -> None:
+    assert sparse.indices is not None
+    out.indices = np.ascontiguousarray(sparse.indices, dtype="<u4").tobytes()
+    out.values = np.ascontiguousarray(sparse.values, dtype="<f4").tobytes()
+    out.counts.extend(int(c) for c in sparse.counts)
+
+
+def _pack_vectors(out: pb.TokenVectors, vectors: Ragged, dtype: int) -> None:
+    out.vectors.CopyFrom(pack_tensor(vectors.values, dtype))
+    out.counts.extend(int(c) for c in vectors.counts)
 
 
 def _traceparent(context: grpc.aio.ServicerContext) -> str:
