@@ -73,13 +73,16 @@ from ivy.schemas import (
     RerankRequest,
     RerankResponse,
     TeiDecodeRequest,
+    TeiEmbedAllRequest,
     TeiEmbedRequest,
+    TeiEmbedSparseRequest,
     TeiInfo,
     TeiPrediction,
     TeiPredictRequest,
     TeiRank,
     TeiRankWithText,
     TeiSimilarityRequest,
+    TeiSparseValue,
     TeiToken,
     TokenizeRequest,
     TokenizeResponse,
@@ -202,6 +205,14 @@ def route_table(app: IvyApp) -> list[Route]:
     async def tei_embed(req: TeiEmbedRequest, timings: Timings) -> np.ndarray:
         return await gateway().tei_embed(req, timings)
 
+    async def tei_embed_sparse(
+        req: TeiEmbedSparseRequest, timings: Timings
+    ) -> list[list[TeiSparseValue]]:
+        return await gateway().tei_embed_sparse(req, timings)
+
+    async def tei_embed_all(req: TeiEmbedAllRequest, timings: Timings) -> list[np.ndarray]:
+        return await gateway().tei_embed_all(req, timings)
+
     async def cohere_embed(req: CohereEmbedRequest, timings: Timings) -> CohereEmbedResponse:
         return await gateway().cohere_embed(req, timings)
 
@@ -295,6 +306,24 @@ def route_table(app: IvyApp) -> list[Route]:
             TeiEmbedRequest,
             list[list[float]],
             "Create embeddings (Text Embeddings Inference)",
+            errors=errors,
+        ),
+        Route(
+            "POST",
+            "/embed_sparse",
+            _timed(metrics, "/embed_sparse", tei_embed_sparse),
+            TeiEmbedSparseRequest,
+            list[list[TeiSparseValue]],
+            "Sparse embeddings: token id -> weight (TEI; BGE-M3, SPLADE)",
+            errors=errors,
+        ),
+        Route(
+            "POST",
+            "/embed_all",
+            _timed(metrics, "/embed_all", tei_embed_all),
+            TeiEmbedAllRequest,
+            list[list[list[float]]],
+            "Every token's last hidden state (TEI)",
             errors=errors,
         ),
         Route(

@@ -16,9 +16,9 @@ import numpy as np
 
 from ivy.errors import ModelNotFoundError, UnavailableError, ValidationError
 from ivy.metrics import Metrics
-from ivy.models import CROSS_ENCODER, EMBEDDING, PairTemplate, ServedModel
+from ivy.models import CROSS_ENCODER, EMBEDDING, OUTPUT_KINDS, PairTemplate, ServedModel
 from ivy.replicas import Replica, ReplicaPool
-from ivy.router import Claim, Router
+from ivy.router import Claim, EmbedOutputs, Router
 from ivy.schemas import (
     CONTEXT_MAX_CHUNKS,
     CONTEXT_MAX_DOCUMENT_TOKENS,
@@ -45,14 +45,18 @@ from ivy.schemas import (
     RerankResultWithDocument,
     RerankText,
     SimilarityParameters,
+    SparseEmbedding,
     TeiDecodeRequest,
+    TeiEmbedAllRequest,
     TeiEmbedRequest,
+    TeiEmbedSparseRequest,
     TeiInfo,
     TeiPrediction,
     TeiPredictRequest,
     TeiRank,
     TeiRankWithText,
     TeiSimilarityRequest,
+    TeiSparseValue,
     TeiToken,
     TokenizedInput,
     TokenizeRequest,
@@ -227,6 +231,28 @@ class Gateway:
     def embedder(self, name: str | None) -> ServedModel:
         return self.served(name, (EMBEDDING,), "produce embeddings")
 
+    def embedder_giving(self, name: str | None, kind: str, does: str) -> ServedModel:
+        """The named embedder, which must offer output `kind`; None: the first that does."""
+        if name is None:
+            name = next(
+                (
+                    n
+                    for n, m in self.models.items()
+                    if m.spec.kind == EMBEDDING and kind in m.spec.outputs
+                ),
+                None,
+            )
+            if name is None:
+                raise ValidationError(f"No served model can {does}.", param="model")
+        model = self.embedder(name)
+        if kind not in model.spec.outputs:
+            raise ValidationError(
+                f"The model `{name}` does not {does} (it offers "
+                f"{', '.join(model.spec.outputs)} output).",
+                param="model",
+            )
+        return model
+
     async def embed(
         self,
         model: ServedModel,
@@ -243,6 +269,36 @@ class Gateway:
         """The one embedding path of every route: [inputs, dims] float32 vectors and the
         token count. `inputs` are texts (`prompt` goes before each), token ids or lists of
         them; `truncate` None takes the server's default (`--auto-truncate`)."""
+        out, tokens = await self.embed_outputs(
+            model,
+            inputs,
+            timings,
+            prompt=prompt,
+            truncate=truncate,
+            left=left,
+            dimensions=dimensions,
+            normalize=normalize,
+            dimensions_param=dimensions_param,
+        )
+        assert out.dense is not None
+        return out.dense, tokens
+
+    async def embed_outputs(
+        self,
+        model: ServedModel,
+        inputs: Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        timings: Timings,
+        *,
+        outputs: tuple[str, ...] = (),
+        prompt: str = "",
+        truncate: bool | None = None,
+        left: bool = False,
+        dimensions: int | None = None,
+        normalize: bool | None = None,
+        dimensions_param: str = "dimensions",
+    ) -> tuple[EmbedOutputs, int]:
+        """`embed` for any output kinds (`outputs`, names of `OUTPUT_KINDS`; empty: dense,
+        on the unchanged path), each the model must offer (checked by the caller)."""
         spec = model.spec
         if dimensions is not None and spec.dimensions and dimensions > spec.dimensions:
             raise ValidationError(
@@ -267,19 +323,32 @@ class Gateway:
                     )
             timings.tokenize_s = time.perf_counter() - t0
             t1 = time.perf_counter()
-            vectors, timings.chunks, timings.replica_s = await self.router.embed(
-                model.name,
-                ids,
-                lengths,
-                dimensions=dimensions or 0,
-                normalize=normalize,
-                deadline=deadline,
-                claim=claim,
-            )
+            if outputs:
+                result, timings.chunks, timings.replica_s = await self.router.embed_outputs(
+                    model.name,
+                    ids,
+                    lengths,
+                    [OUTPUT_KINDS[o] for o in outputs],
+                    dimensions=dimensions or 0,
+                    normalize=normalize,
+                    deadline=deadline,
+                    claim=claim,
+                )
+            else:
+                vectors, timings.chunks, timings.replica_s = await self.router.embed(
+                    model.name,
+                    ids,
+                    lengths,
+                    dimensions=dimensions or 0,
+                    normalize=normalize,
+                    deadline=deadline,
+                    claim=claim,
+                )
+                result = EmbedOutputs(dense=vectors)
             timings.inference_s = time.perf_counter() - t1
         tokens = int(ids.size)
         self.metrics.input_tokens.labels(model=model.name).inc(tokens)
-        return vectors, tokens
+        return result, tokens
 
     async def embeddings(self, req: EmbeddingRequest, timings: Timings) -> EmbeddingResponse:
         model = self.embedder(req.model)
@@ -294,6 +363,8 @@ class Gateway:
             prompt = model.instructed_prompt(req.instruction)
         else:
             prompt = model.prompt_for(req.input_type)
+        if req.output == "sparse":
+            return await self._sparse_embeddings(req, model, inputs, prompt, timings)
         vectors, tokens = await self.embed(
             model,
             inputs,
@@ -305,6 +376,87 @@ class Gateway:
         )
         return EmbeddingResponse(
             _embedding_data(vectors, req.encoding_format), req.model, Usage(tokens, tokens)
+        )
+
+    async def _sparse_embeddings(
+        self,
+        req: EmbeddingRequest,
+        model: ServedModel,
+        inputs: Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        prompt: str,
+        timings: Timings,
+    ) -> EmbeddingResponse:
+        """/v1/embeddings with ``output: sparse``: `{indices, values}` per item."""
+        if req.encoding_format != "float":
+            raise ValidationError(
+                "Sparse embeddings are JSON numbers only: send encoding_format `float`.",
+                param="encoding_format",
+            )
+        if req.dimensions is not None:
+            raise ValidationError(
+                "dimensions cuts dense vectors; it does not apply to sparse ones.",
+                param="dimensions",
+            )
+        if "sparse" not in model.spec.outputs:
+            raise ValidationError(
+                f"The model `{model.name}` has no sparse output (it offers "
+                f"{', '.join(model.spec.outputs)}).",
+                param="output",
+            )
+        out, tokens = await self.embed_outputs(
+            model,
+            inputs,
+            timings,
+            outputs=("sparse",),
+            prompt=prompt if isinstance(inputs[0], str) else "",
+            truncate=req.truncate,
+            left=req.truncation_direction.lower() == "left",
+        )
+        assert out.sparse is not None
+        data = [
+            EmbeddingData(i, SparseEmbedding(ids.tolist(), values.tolist()))  # type: ignore[union-attr]
+            for i, (ids, values) in enumerate(out.sparse.split())
+        ]
+        return EmbeddingResponse(data, req.model, Usage(tokens, tokens))
+
+    async def tei_embed_sparse(
+        self, req: TeiEmbedSparseRequest, timings: Timings
+    ) -> list[list[TeiSparseValue]]:
+        """TEI's /embed_sparse: per input its nonzero `{index, value}` pairs, ids ascending."""
+        model = self.embedder_giving(req.model, "sparse", "produce sparse embeddings")
+        out, _ = await self._tei_outputs(model, req, "sparse", timings)
+        assert out.sparse is not None
+        return [
+            [TeiSparseValue(i, v) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]  # type: ignore[union-attr]
+            for ids, values in out.sparse.split()
+        ]
+
+    async def tei_embed_all(self, req: TeiEmbedAllRequest, timings: Timings) -> list[np.ndarray]:
+        """TEI's /embed_all: per input the last hidden state of each of its tokens."""
+        model = self.embedder_giving(req.model, "token_states", "give token states")
+        out, _ = await self._tei_outputs(model, req, "token_states", timings)
+        assert out.token_states is not None
+        return [values for _, values in out.token_states.split()]
+
+    async def _tei_outputs(
+        self,
+        model: ServedModel,
+        req: TeiEmbedSparseRequest | TeiEmbedAllRequest,
+        kind: str,
+        timings: Timings,
+    ) -> tuple[EmbedOutputs, int]:
+        inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
+        prompt = ""
+        if req.prompt_name is not None and isinstance(inputs[0], str):
+            prompt = model.prompt_named(req.prompt_name)
+        return await self.embed_outputs(
+            model,
+            inputs,
+            timings,
+            outputs=(kind,),
+            prompt=prompt,
+            truncate=req.truncate,
+            left=req.truncation_direction.lower() == "left",
         )
 
     async def contextualized(
@@ -672,11 +824,25 @@ class Gateway:
                 lengths = np.concatenate((q_len, d_len))
                 timings.tokenize_s = time.perf_counter() - t0
                 t1 = time.perf_counter()
-                vectors, timings.chunks, timings.replica_s = await self.router.embed(
-                    name, ids, lengths, dimensions=0, deadline=deadline, claim=claim
-                )
+                if "multi_vector" in spec.outputs:
+                    # ColBERT late interaction: query and documents' token vectors from
+                    # this one model, score = sum over query tokens of the best dot product.
+                    out, timings.chunks, timings.replica_s = await self.router.embed_outputs(
+                        name,
+                        ids,
+                        lengths,
+                        [OUTPUT_KINDS["multi_vector"]],
+                        deadline=deadline,
+                        claim=claim,
+                    )
+                    assert out.multi_vectors is not None
+                    scores = _maxsim_to_first([v for _, v in out.multi_vectors.split()])
+                else:
+                    vectors, timings.chunks, timings.replica_s = await self.router.embed(
+                        name, ids, lengths, dimensions=0, deadline=deadline, claim=claim
+                    )
+                    scores = _cosines_to_first(vectors)
                 timings.inference_s = time.perf_counter() - t1
-                scores = _cosines_to_first(vectors)
                 tokens = int(ids.size)
         self.metrics.input_tokens.labels(model=name).inc(tokens)
         order = np.argsort(-scores, kind="stable")
@@ -845,6 +1011,18 @@ def _late_chunks(
         doc_lengths[d] = len(head) + len(body) + len(tail)
     packed = np.concatenate(parts).astype(np.uint32, copy=False)
     return packed, doc_lengths, bounds
+
+
+def _maxsim_to_first(rows: Sequence[np.ndarray]) -> np.ndarray:
+    """ColBERT MaxSim of the first input's token vectors [Lq, D] with each other input's
+    [Ld, D]: Σ over query tokens of max over document tokens of the dot product (a sum, as
+    ColBERT scores; FlagEmbedding's `colbert_score` divides it by Lq). [N - 1] float32."""
+    query = rows[0]
+    scores = [
+        float((query @ doc.T).max(axis=1).sum()) if doc.size and query.size else 0.0
+        for doc in rows[1:]
+    ]
+    return np.asarray(scores, dtype=np.float32)
 
 
 def _cosines_to_first(vectors: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ __all__ = [
     "CROSS_ENCODER",
     "EMBEDDING",
     "GENERATOR",
+    "OUTPUT_KINDS",
     "ModelSpec",
     "PairTemplate",
     "ServedModel",
@@ -29,6 +30,15 @@ __all__ = [
 EMBEDDING = "embedding"
 CROSS_ENCODER = "cross-encoder"
 GENERATOR = "generator"
+
+# Output kinds of an Embed call, by name (`trellis.v1.Output`).
+OUTPUT_KINDS = {
+    "dense": pb.OUTPUT_DENSE,
+    "sparse": pb.OUTPUT_SPARSE,
+    "multi_vector": pb.OUTPUT_MULTI_VECTOR,
+    "token_states": pb.OUTPUT_TOKEN_STATES,
+}
+_OUTPUT_NAMES = {value: name for name, value in OUTPUT_KINDS.items()}
 
 _KINDS = {
     pb.MODEL_KIND_EMBEDDING: EMBEDDING,
@@ -50,8 +60,11 @@ class ModelSpec:
     confirmed: bool = False
     # a classifier's label names by index (config.json's id2label); () when it has none
     labels: tuple[str, ...] = ()
+    # output kinds an embedder offers (`OUTPUT_KINDS` names); a replica's Info says for sure
+    outputs: tuple[str, ...] = ("dense",)
 
     def with_info(self, info: pb.InfoResponse) -> ModelSpec:
+        outputs = tuple(_OUTPUT_NAMES[o] for o in info.outputs if o in _OUTPUT_NAMES)
         return replace(
             self,
             kind=_KINDS.get(info.kind, self.kind),
@@ -61,6 +74,8 @@ class ModelSpec:
             document_prompt=self.document_prompt or info.document_prompt,
             vocab_size=int(info.vocab_size) or self.vocab_size,
             confirmed=True,
+            # An older server lists none: it gives dense vectors only.
+            outputs=outputs or ("dense",),
         )
 
 
@@ -104,6 +119,17 @@ def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
             else 0
         )
         max_tokens = positions - offset
+    outputs: tuple[str, ...] = ("dense",)
+    if kind == EMBEDDING:  # a guess until a replica's Info confirms it
+        modules = _read_json_any(directory / "modules.json")
+        types = [
+            str(m.get("type", "")).rsplit(".", 1)[-1]
+            for m in (modules if isinstance(modules, list) else [])
+            if isinstance(m, dict)
+        ]
+        sparse = (directory / "sparse_linear.pt").is_file() or "SpladePooling" in types
+        colbert = (directory / "colbert_linear.pt").is_file()
+        outputs += ("sparse",) * sparse + ("multi_vector",) * colbert + ("token_states",)
     id2label = config.get("id2label") or {}
     labels = tuple(str(id2label[k]) for k in sorted(id2label, key=int)) if id2label else ()
     return ModelSpec(
@@ -114,7 +140,15 @@ def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
         query_prompt=query_prompt,
         document_prompt=document_prompt,
         vocab_size=vocab_size,
+        outputs=outputs,
     )
+
+
+def _read_json_any(path: Path) -> object:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
 @dataclass(frozen=True)

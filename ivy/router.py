@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import functools
 import logging
 import math
@@ -39,6 +40,8 @@ __all__ = [
     "gather_or_cancel",
     "Chunk",
     "Claim",
+    "EmbedOutputs",
+    "RaggedOutput",
     "Router",
     "no_replica_error",
     "note_refusal",
@@ -102,6 +105,94 @@ def split_chunks(lengths: np.ndarray, chunk_tokens: int) -> list[Chunk]:
 
 # The response field that carries each method's result rows.
 _RESULT_FIELD = {"embed": "embeddings", "score": "scores"}
+
+
+@dataclass(frozen=True, eq=False)
+class RaggedOutput:
+    """Per-input variable-length results: input i owns the next ``counts[i]`` entries of
+    ``values`` ([N] sparse weights or [N, D] vectors) and of ``indices`` (sparse token ids)."""
+
+    counts: np.ndarray
+    values: np.ndarray
+    indices: np.ndarray | None = None
+
+    def split(self) -> list[tuple[np.ndarray | None, np.ndarray]]:
+        """(indices or None, values) of each input, in order."""
+        ends = np.cumsum(self.counts, dtype=np.int64)
+        starts = ends - self.counts
+        return [
+            (None if self.indices is None else self.indices[a:b], self.values[a:b])
+            for a, b in zip(starts.tolist(), ends.tolist(), strict=True)
+        ]
+
+    @staticmethod
+    def join(parts: Sequence[RaggedOutput]) -> RaggedOutput:
+        indices = [p.indices for p in parts if p.indices is not None]
+        return RaggedOutput(
+            np.concatenate([p.counts for p in parts]),
+            np.concatenate([p.values for p in parts], axis=0),
+            np.concatenate(indices) if len(indices) == len(parts) else None,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class EmbedOutputs:
+    """The output kinds an Embed call asked for, every input's in input order (None: not
+    asked for)."""
+
+    dense: np.ndarray | None = None
+    sparse: RaggedOutput | None = None
+    multi_vectors: RaggedOutput | None = None
+    token_states: RaggedOutput | None = None
+
+    @classmethod
+    def from_response(cls, response: pb.EmbedResponse) -> EmbedOutputs:
+        def vectors(field: str) -> RaggedOutput | None:
+            if not response.HasField(field):
+                return None
+            tv = getattr(response, field)
+            return _checked(RaggedOutput(_counts(tv.counts), unpack_tensor(tv.vectors)), field)
+
+        sparse = None
+        if response.HasField("sparse"):
+            sp = response.sparse
+            sparse = _checked(
+                RaggedOutput(
+                    _counts(sp.counts),
+                    np.frombuffer(sp.values, dtype="<f4").astype(np.float32),
+                    np.frombuffer(sp.indices, dtype="<u4").astype(np.int64),
+                ),
+                "sparse",
+            )
+        return cls(
+            unpack_tensor(response.embeddings) if response.HasField("embeddings") else None,
+            sparse,
+            vectors("multi_vectors"),
+            vectors("token_states"),
+        )
+
+    @staticmethod
+    def join(parts: Sequence[EmbedOutputs]) -> EmbedOutputs:
+        def each(name: str) -> Any:
+            found = [getattr(p, name) for p in parts]
+            if any(f is None for f in found):
+                return None
+            if name == "dense":
+                return np.concatenate(found, axis=0)
+            return RaggedOutput.join(found)
+
+        return EmbedOutputs(*(each(f.name) for f in dataclasses.fields(EmbedOutputs)))
+
+
+def _counts(counts: Sequence[int]) -> np.ndarray:
+    return np.asarray(counts, dtype=np.int64)
+
+
+def _checked(out: RaggedOutput, field: str) -> RaggedOutput:
+    total = int(out.counts.sum())
+    if out.values.shape[0] != total or (out.indices is not None and out.indices.size != total):
+        raise UpstreamError(f"A replica answered a malformed `{field}` output.")
+    return out
 
 
 class Claim:
@@ -215,6 +306,44 @@ class Router:
 
         return await self._fan_out(model, "embed", lengths, request, deadline, claim)
 
+    async def embed_outputs(
+        self,
+        model: str,
+        ids: np.ndarray,
+        lengths: np.ndarray,
+        outputs: Sequence[int],
+        *,
+        deadline: float,
+        claim: Claim,
+        dimensions: int = 0,
+        normalize: bool | None = None,
+        dtype: int = pb.DTYPE_FLOAT32,
+    ) -> tuple[EmbedOutputs, int, float]:
+        """The `outputs` (``pb.Output`` values) of every input, in input order, the chunk
+        count and the replicas' own time (seconds, the slowest chunk)."""
+
+        def request(chunk: Chunk) -> pb.EmbedRequest:
+            return pb.EmbedRequest(
+                inputs=pack_token_batch(
+                    ids[chunk.token_start : chunk.token_stop], lengths[chunk.start : chunk.stop]
+                ),
+                normalize=_NORMALIZE[normalize],
+                dimensions=dimensions,
+                dtype=dtype,  # type: ignore[arg-type]
+                outputs=list(outputs),  # type: ignore[arg-type]
+            )
+
+        return await self._fan_out(
+            model,
+            "embed",
+            lengths,
+            request,
+            deadline,
+            claim,
+            unpack=EmbedOutputs.from_response,
+            join=EmbedOutputs.join,
+        )
+
     async def score(
         self,
         model: str,
@@ -274,19 +403,26 @@ class Router:
         make_request: Callable[[Chunk], pb.EmbedRequest | pb.ScoreRequest],
         deadline: float,
         claim: Claim,
-    ) -> tuple[np.ndarray, int, float]:
+        *,
+        unpack: Callable[[Any], Any] | None = None,
+        join: Callable[[list[Any]], Any] | None = None,
+    ) -> tuple[Any, int, float]:
         """Split into chunks, send them (a window at a time), and reassemble the result
-        rows in input order; also the chunk count and the slowest chunk's replica time."""
+        rows in input order; also the chunk count and the slowest chunk's replica time.
+        `unpack` reads a chunk's answer (default: its result tensor) and `join` puts the
+        chunks' together (default: rows concatenated)."""
         with tracing.span("inference", inputs=len(lengths)):  # its context goes with each chunk
             chunks = split_chunks(lengths, self.chunk_tokens_for(self.pools[model], lengths))
             field = _RESULT_FIELD[method]
+            if unpack is None:
+                unpack = functools.partial(_unpack_field, field)
             if len(chunks) == 1:  # the common small request: no window, no extra task
                 response = await self._call(
                     model, method, make_request(chunks[0]), chunks[0].tokens, deadline
                 )
                 timing = response.timing
                 return (
-                    unpack_tensor(getattr(response, field)),
+                    unpack(response),
                     1,
                     (timing.queue_us + timing.inference_us) / 1e6,
                 )
@@ -295,7 +431,7 @@ class Router:
             if not claim.tokens:  # not admitted by its size yet
                 self._check_room(model, pool, total, deadline)
             claim.hold(total)
-            parts: list[np.ndarray | None] = [None] * len(chunks)
+            parts: list[Any] = [None] * len(chunks)
             waiting = collections.deque(range(len(chunks)))
             running: dict[asyncio.Task[Any], int] = {}
             replica_us = 0
@@ -338,7 +474,7 @@ class Router:
                         error = task.exception()
                         if error is None:
                             response = task.result()
-                            parts[index] = unpack_tensor(getattr(response, field))
+                            parts[index] = unpack(response)
                             timing = response.timing
                             replica_us = max(replica_us, timing.queue_us + timing.inference_us)
                             answered += 1
@@ -356,7 +492,7 @@ class Router:
             finally:
                 claim.hold(0)
                 await cancel_all(running)
-            rows = np.concatenate(parts, axis=0)  # type: ignore[arg-type]
+            rows = join(parts) if join is not None else np.concatenate(parts, axis=0)
             return rows, len(chunks), replica_us / 1e6
 
     def _check_room(self, model: str, pool: ReplicaPool, tokens: int, deadline: float) -> None:
@@ -487,6 +623,10 @@ class Router:
             per_token = _UNMEASURED_SECONDS_PER_TOKEN
         expected = per_token * tokens
         return max(self.hedge_after_s, _HEDGE_FACTOR * expected)
+
+
+def _unpack_field(field: str, response: Any) -> np.ndarray:
+    return unpack_tensor(getattr(response, field))
 
 
 def _release(replica: Replica, tokens: int, keep: bool, task: asyncio.Future[Any]) -> None:

@@ -23,7 +23,10 @@ __all__ = [
     "ContextualizedData",
     "ContextualizedEmbeddingRequest",
     "ContextualizedEmbeddingResponse",
+    "SparseEmbedding",
+    "TeiEmbedAllRequest",
     "TeiEmbedRequest",
+    "TeiEmbedSparseRequest",
     "TeiDecodeRequest",
     "TeiInfo",
     "TeiPredictRequest",
@@ -32,6 +35,7 @@ __all__ = [
     "TeiToken",
     "TeiRank",
     "TeiRankWithText",
+    "TeiSparseValue",
     "UINT32_MAX",
     "EmbeddingData",
     "EmbeddingRequest",
@@ -118,14 +122,30 @@ class EmbeddingRequest(_Strict):
         "the model's own query prompt format (Qwen3-Embedding's `Instruct: <task>\\nQuery:`); "
         "a 400 for models whose prompts have no task.",
     )
+    output: Literal["dense", "sparse"] = Field(
+        default="dense",
+        description="Trellis extension: `sparse` gives each item's `embedding` as "
+        "`{indices, values}` (token id -> weight, nonzero weights only, ids ascending) from "
+        "a model with a sparse output (BGE-M3's sparse head, SPLADE); `encoding_format` "
+        "must be `float` and `dimensions` unset.",
+    )
+
+
+@dataclass(slots=True)
+class SparseEmbedding:
+    """A sparse vector: token ids (ascending) and their weights."""
+
+    indices: list[int]
+    values: list[float]
 
 
 @dataclass(slots=True)
 class EmbeddingData:
     object: Literal["embedding"] = field(default="embedding", init=False)
     index: int
-    # A numpy row at run time (orjson writes it as this JSON array), or base64 text.
-    embedding: list[float] | str
+    # A numpy row at run time (orjson writes it as this JSON array), base64 text, or a
+    # sparse vector (`output: sparse`).
+    embedding: list[float] | str | SparseEmbedding
 
 
 @dataclass(slots=True)
@@ -210,6 +230,47 @@ class TeiEmbedRequest(_Strict):
         default=None,
         description="Trellis extension: the served model (default: the first that embeds).",
     )
+
+
+class TeiEmbedSparseRequest(_Strict):
+    """TEI's /embed_sparse request (TEI's published OpenAPI document)."""
+
+    inputs: EmbedInput = Field(description="Text, texts, token ids or lists of token ids.")
+    truncate: bool | None = Field(
+        default=None, description="Default: the server's `--auto-truncate`."
+    )
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = Field(
+        default=None, description="`query` or `document`: the model's prompt of that name."
+    )
+    model: str | None = Field(
+        default=None,
+        description="Trellis extension: the served model (default: the first with a sparse "
+        "output).",
+    )
+
+
+class TeiEmbedAllRequest(_Strict):
+    """TEI's /embed_all request: every token's last hidden state."""
+
+    inputs: EmbedInput = Field(description="Text, texts, token ids or lists of token ids.")
+    truncate: bool | None = Field(
+        default=None, description="Default: the server's `--auto-truncate`."
+    )
+    truncation_direction: Direction = "Right"
+    prompt_name: str | None = Field(
+        default=None, description="`query` or `document`: the model's prompt of that name."
+    )
+    model: str | None = Field(
+        default=None,
+        description="Trellis extension: the served model (default: the first that embeds).",
+    )
+
+
+@dataclass(slots=True)
+class TeiSparseValue:
+    index: int
+    value: float
 
 
 class SimilarityInput(_Strict):
