@@ -466,7 +466,7 @@ def test_token_types_must_be_zero(models) -> None:
 def test_cuda_flashinfer_agrees_with_sdpa(tmp_path: Path, mode: str) -> None:
     """bf16 on CUDA: the default backend (FlashInfer ragged prefill when it imports, with
     CUDA graphs) against SDPA, eager, for both attention modes (cos >= 0.999)."""
-    from rose.attention.flashinfer import import_flashinfer
+    from rose.attention import flashinfer_coverage
 
     torch.manual_seed(11)
     cfg = _qwen3_config(hidden_size=128, intermediate_size=256, head_dim=64)
@@ -474,8 +474,8 @@ def test_cuda_flashinfer_agrees_with_sdpa(tmp_path: Path, mode: str) -> None:
     rows = _rows(10)
     batch = RaggedBatch.from_lists(rows, pooling=["mean"] * len(rows))
     fast = Engine.load(tmp_path, EngineConfig(device="cuda", attention_mode=mode))
-    if import_flashinfer()[0] is not None:
-        assert fast.attention.name == "flashinfer" and fast.attention.causal == (mode == "causal")
+    uncovered = flashinfer_coverage(fast.attention.name)  # raises on a silent fallback
+    assert fast.attention.causal == (mode == "causal")
     slow = Engine.load(
         tmp_path,
         EngineConfig(device="cuda", attention="sdpa", cuda_graphs=False, attention_mode=mode),
@@ -485,3 +485,5 @@ def test_cuda_flashinfer_agrees_with_sdpa(tmp_path: Path, mode: str) -> None:
         got = fast.step(batch).wait()
         cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
         assert cos.min().item() >= 0.999, cos
+    if uncovered:  # graphs agreed with eager, but FlashInfer itself was not tested
+        pytest.skip(uncovered)
