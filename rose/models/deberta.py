@@ -51,6 +51,8 @@ ARCHITECTURES: dict[str, bool] = {
     "DebertaV2ForSequenceClassification": True,
 }
 _POSITION_TERMS = ("c2p", "p2c")
+# One layer's relative-position table through its Pk and Pq: [heads, rows, D] each, or None.
+Projected = tuple[torch.Tensor | None, torch.Tensor | None]
 
 _ENCODER_PREFIXES = ("", "deberta.")
 # Pretraining heads: the legacy (cls.) and current (lm_predictions.) masked-LM heads, and
@@ -240,15 +242,28 @@ class RelativePositions(nn.Module):
     def embeddings(self) -> torch.Tensor:
         return self.table if self.norm is None else self.norm(self.table)  # [2·span, H]
 
-    def indices(self, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        """(c2p index [L, L] for (query i, key j), p2c index [L, L] for (key j, query i))."""
+    def delta_range(self, longest: int) -> tuple[int, int]:
+        """[lo, hi): the rows of the table that pairs at most `longest` - 1 apart can index
+        (bucketing is monotonic in |i - j|, so the farthest pair bounds them)."""
+        cfg = self.cfg
+        far = max(longest - 1, 0)
+        if cfg.position_buckets > 0:
+            far = int(
+                log_bucket(torch.tensor(far), cfg.position_buckets, cfg.max_relative_positions)
+            )
+        far = min(far, cfg.span)
+        return max(0, cfg.span - far), min(2 * cfg.span, cfg.span + far + 1)
+
+    def indices(self, block: Block, lo: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(c2p index [L, L] for (query i, key j), p2c index [L, L] for (key j, query i)),
+        counted from table row `lo`."""
         cfg = self.cfg
         rel = block.rel  # [L, L], position_i - position_j
         if cfg.position_buckets > 0:
             rel = log_bucket(rel, cfg.position_buckets, cfg.max_relative_positions)
         top = 2 * cfg.span - 1
-        c2p = torch.clamp(rel + cfg.span, 0, top)  # [L(q), L(k)]
-        p2c = torch.clamp(-rel + cfg.span, 0, top)  # [L(k), L(q)] read as (row j, column i)
+        c2p = torch.clamp(rel + cfg.span, 0, top) - lo  # [L(q), L(k)]
+        p2c = torch.clamp(-rel + cfg.span, 0, top) - lo  # [L(k), L(q)] read as (row j, column i)
         return c2p, p2c
 
 
@@ -269,41 +284,43 @@ class DisentangledAttention(nn.Module):
         self.pos_query = nn.Linear(h, h) if separate and "p2c" in self.terms else None
         self.scale = (self.head_dim * (1 + len(self.terms))) ** -0.5
 
-    def _project_positions(
+    def project_positions(
         self, rel_embeddings: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """[2·span, H] → (Pk, Pq), each [heads, 2·span, D] (None when its term is off)."""
         span2 = rel_embeddings.shape[0]
-        if self.share_att_key:  # through the content key / query projections
+        shared = None
+        if self.share_att_key:  # through the content query / key projections
             shared = self.qkv(rel_embeddings).view(span2, 3, self.num_heads * self.head_dim)
-            pq, pk, _ = shared.unbind(1)  # each [2·span, H]
-        else:
-            pk = self.pos_key(rel_embeddings) if self.pos_key is not None else None
-            pq = self.pos_query(rel_embeddings) if self.pos_query is not None else None
 
-        def heads(p: torch.Tensor | None, term: str) -> torch.Tensor | None:
-            if p is None or term not in self.terms:
+        def heads(term: str, part: int, own: nn.Module | None) -> torch.Tensor | None:
+            if term not in self.terms:
                 return None
-            return p.view(span2, self.num_heads, self.head_dim).transpose(
-                0, 1
-            )  # [heads, 2·span, D]
+            if shared is not None:
+                p = shared[:, part]  # [2·span, H]; part 0: query, 1: key
+            else:
+                assert own is not None
+                p = own(rel_embeddings)
+            return p.view(span2, self.num_heads, self.head_dim).transpose(0, 1).contiguous()
 
-        return heads(pk, "c2p"), heads(pq, "p2c")
+        return heads("c2p", 1, self.pos_key), heads("p2c", 0, self.pos_query)
 
     def forward(
         self,
         x: torch.Tensor,
         layout: RowLayout,
-        rel_embeddings: torch.Tensor | None,
+        projected: tuple[torch.Tensor | None, torch.Tensor | None],
         indices: tuple[tuple[torch.Tensor, torch.Tensor], ...],
     ) -> torch.Tensor:
+        """x [T, H]; projected: this layer's (Pk, Pq) rows for the δ range `indices` address
+        (each [heads, R, D]), see `DebertaEncoder.position_projections`."""
         tokens = x.shape[0]
         qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3, heads, D]
         q, k, v = qkv.unbind(1)  # each [T, heads, D]
         bias = None
-        if self.terms and rel_embeddings is not None:
-            pk, pq = self._project_positions(rel_embeddings)
-            # per token, its score against every relative position: [heads, T, 2·span]
+        pk, pq = projected
+        if pk is not None or pq is not None:
+            # per token, its score against every relative position in range: [heads, T, R]
             c2p_all = torch.einsum("thd,hrd->htr", q, pk) if pk is not None else None
             p2c_all = torch.einsum("thd,hrd->htr", k, pq) if pq is not None else None
 
@@ -311,14 +328,14 @@ class DisentangledAttention(nn.Module):
                 s = block.span
                 c2p_idx, p2c_idx = indices[i]  # each [L, L]
                 heads, n = self.num_heads, c2p_idx.shape[0]
-                total = torch.zeros(heads, n, n, dtype=q.dtype, device=q.device)
+                total: torch.Tensor | None = None
                 if c2p_all is not None:  # [heads, L(q), L(k)]: q_i · Pk[δ(i, j)]
-                    total = total + c2p_all[:, s].gather(-1, c2p_idx.expand(heads, n, n))
+                    total = c2p_all[:, s].gather(-1, c2p_idx.expand(heads, n, n))
                 if p2c_all is not None:  # [heads, L(k), L(q)] → transposed: k_j · Pq[δ'(j, i)]
-                    total = total + p2c_all[:, s].gather(-1, p2c_idx.expand(heads, n, n)).transpose(
-                        1, 2
-                    )
-                return total * self.scale  # [heads, L, L]
+                    p2c = p2c_all[:, s].gather(-1, p2c_idx.expand(heads, n, n)).transpose(1, 2)
+                    total = p2c if total is None else total.add_(p2c)
+                assert total is not None
+                return total.mul_(self.scale)  # [heads, L, L]
 
         o = attend(q, k, v, layout, self.scale, bias)  # [T, heads, D]
         return self.out(o.reshape(tokens, self.num_heads * self.head_dim))  # [T, H]
@@ -349,15 +366,20 @@ class Layer(nn.Module):
         self,
         x: torch.Tensor,
         layout: RowLayout,
-        rel_embeddings: torch.Tensor | None,
+        projected: Projected,
         indices: tuple[tuple[torch.Tensor, torch.Tensor], ...],
     ) -> torch.Tensor:
-        x = self.attention_norm(x + self.attention(x, layout, rel_embeddings, indices))
+        x = self.attention_norm(x + self.attention(x, layout, projected, indices))
         return self.mlp_norm(x + self.mlp(x))
 
 
 class DebertaEncoder(nn.Module):
-    """Embeddings and layers: ragged ids [T] → hidden states [T, H]."""
+    """Embeddings and layers: ragged ids [T] → hidden states [T, H].
+
+    The relative-position table projected through each layer's Pk / Pq depends on the weights
+    alone, so passes without gradients compute it once and keep it (`position_projections`);
+    moving or converting the module, loading a state dict or packing weights drops it.
+    """
 
     def __init__(self, cfg: DebertaConfig) -> None:
         super().__init__()
@@ -365,6 +387,32 @@ class DebertaEncoder(nn.Module):
         self.embeddings = Embeddings(cfg)
         self.relative = RelativePositions(cfg) if cfg.relative_attention else None
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self._projections: tuple[Projected, ...] | None = None
+
+    def drop_cached_projections(self) -> None:
+        self._projections = None
+
+    def _apply(self, fn: Any, recurse: bool = True) -> DebertaEncoder:
+        self.drop_cached_projections()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self.drop_cached_projections()
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def position_projections(self) -> tuple[Projected, ...]:
+        """Each layer's (Pk, Pq), [heads, 2·span, D] each (None where a term is off); kept
+        across passes without gradients, never while a CUDA graph is being captured (the
+        capture does not run the kernels that would fill it)."""
+        if self._projections is not None and not torch.is_grad_enabled():
+            return self._projections
+        assert self.relative is not None
+        rel = self.relative.embeddings()  # [2·span, H]
+        out = tuple(layer.attention.project_positions(rel) for layer in self.layers)
+        capturing = rel.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not torch.is_grad_enabled() and not capturing:
+            self._projections = out
+        return out
 
     def forward(
         self,
@@ -377,13 +425,20 @@ class DebertaEncoder(nn.Module):
         """ids, positions (row-local, from `position_ids`), types: [T]; backend only chooses
         the SDPA strategy, state is unused."""
         layout = RowLayout.build(positions, backend)
-        rel_embeddings, indices = None, ()
+        projected: list[Projected] = [(None, None)] * len(self.layers)
+        indices: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
         if self.relative is not None:
-            rel_embeddings = self.relative.embeddings()  # [2·span, H]
-            indices = tuple(self.relative.indices(b) for b in layout.blocks)
+            # Only the table rows this batch's pairs can index (a block's length is host-known).
+            longest = max(b.span.stop - b.span.start for b in layout.blocks)
+            lo, hi = self.relative.delta_range(longest)
+            indices = tuple(self.relative.indices(b, lo) for b in layout.blocks)
+            projected = [
+                (None if pk is None else pk[:, lo:hi], None if pq is None else pq[:, lo:hi])
+                for pk, pq in self.position_projections()
+            ]
         x = self.embeddings(ids, positions, types)  # [T, H]
-        for layer in self.layers:
-            x = layer(x, layout, rel_embeddings, indices)
+        for layer, proj in zip(self.layers, projected, strict=True):
+            x = layer(x, layout, proj, indices)
         return x
 
 
@@ -409,6 +464,10 @@ class DebertaFamilyModel(FamilyModule):
         self.encoder = DebertaEncoder(cfg)
         self.head = ContextPooler(cfg) if cfg.classifier else None
         log_sdpa_fallback("deberta-v2", "disentangled c2p/p2c attention bias")
+
+    def pack_weights(self, batch_hint: int = 512) -> int:
+        self.encoder.drop_cached_projections()
+        return super().pack_weights(batch_hint)
 
 
 def expected_weights(cfg: DebertaConfig, prefix: str = "") -> Spec:
