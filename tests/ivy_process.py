@@ -12,6 +12,7 @@ and must exit 0 (a drain that fails shows as the test's failure, with Ivy's log)
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ import httpx
 
 from ivy.cluster import free_port
 
-__all__ = ["ivy_over", "wait_ready"]
+__all__ = ["ivy_over", "serve_dirs", "wait_ready"]
 
 _READY_SECONDS = 120
 
@@ -60,3 +61,27 @@ def ivy_over(
         finally:
             ivy.terminate()
             assert ivy.wait(60) == 0, log.read_text()[-4000:]
+
+
+@contextlib.contextmanager
+def serve_dirs(dirs: Mapping[str, Path], logs: Path) -> Iterator[str]:
+    """One CPU Tulip (one thread) per model directory, named by its key, behind one Ivy;
+    yields Ivy's base URL once everything is ready. Logs go to `logs`."""
+    from tulip.process import TulipProcess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    tulips = {
+        name: TulipProcess(
+            ["--model", str(path), "--model-name", name, "--device", "cpu", "--threads", "1"],
+            log_path=logs / f"{name}.log",
+            env=env,
+        )
+        for name, path in dirs.items()
+    }
+    with contextlib.ExitStack() as stack:
+        for tulip in tulips.values():
+            stack.enter_context(tulip)
+        for tulip in tulips.values():
+            tulip.wait_serving()
+        served = {name: (path, tulips[name].target) for name, path in dirs.items()}
+        yield stack.enter_context(ivy_over(served, logs / "ivy.log", env))

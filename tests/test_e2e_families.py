@@ -21,9 +21,7 @@ Tiny random-weight models of each family (no registry ships such weights), saved
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,10 +31,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from ivy_process import ivy_over
+from ivy_process import serve_dirs
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-from tulip.process import TulipProcess
 
 VOCAB = 300
 WORDS = [f"w{i}" for i in range(4, VOCAB)]
@@ -273,23 +269,8 @@ def _qwen3_logit_score_reranker(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def base(dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    logs = tmp_path_factory.mktemp("families-logs")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    tulips = {
-        name: TulipProcess(
-            ["--model", str(path), "--model-name", name, "--device", "cpu", "--threads", "1"],
-            log_path=logs / f"{name}.log",
-            env=env,
-        )
-        for name, path in dirs.items()
-    }
-    with contextlib.ExitStack() as stack:
-        for tulip in tulips.values():
-            stack.enter_context(tulip)
-        for tulip in tulips.values():
-            tulip.wait_serving()
-        served = {name: (path, tulips[name].target) for name, path in dirs.items()}
-        yield stack.enter_context(ivy_over(served, logs / "ivy.log", env))
+    with serve_dirs(dirs, tmp_path_factory.mktemp("families-logs")) as url:
+        yield url
 
 
 def _rose(path: Path, texts: list[str]) -> np.ndarray:

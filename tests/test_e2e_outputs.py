@@ -13,8 +13,6 @@ SPLADE (BertForMaskedLM as a sentence-transformers SparseEncoder), from tests/ou
 
 from __future__ import annotations
 
-import contextlib
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from ivy_process import ivy_over
+from ivy_process import serve_dirs
 from output_models import (
     TEXTS,
     bge_m3_reference,
@@ -35,8 +33,6 @@ from output_models import (
     maxsim,
     splade_reference,
 )
-
-from tulip.process import TulipProcess
 
 TOL = 1e-4
 # From TEI's docs/openapi.json (components.schemas), as published.
@@ -63,23 +59,8 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def base(dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    logs = tmp_path_factory.mktemp("outputs-logs")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    tulips = {
-        name: TulipProcess(
-            ["--model", str(path), "--model-name", name, "--device", "cpu", "--threads", "1"],
-            log_path=logs / f"{name}.log",
-            env=env,
-        )
-        for name, path in dirs.items()
-    }
-    with contextlib.ExitStack() as stack:
-        for tulip in tulips.values():
-            stack.enter_context(tulip)
-        for tulip in tulips.values():
-            tulip.wait_serving()
-        served = {name: (path, tulips[name].target) for name, path in dirs.items()}
-        yield stack.enter_context(ivy_over(served, logs / "ivy.log", env))
+    with serve_dirs(dirs, tmp_path_factory.mktemp("outputs-logs")) as url:
+        yield url
 
 
 def _post(base: str, path: str, body: dict[str, Any]) -> Any:
