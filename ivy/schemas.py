@@ -212,12 +212,12 @@ class ContextualizedEmbeddingResponse:
     usage: Usage
 
 
-class TeiEmbedRequest(_Strict):
-    """Text Embeddings Inference's /embed request, as TEI 1.7.1's published OpenAPI
-    document (docs/openapi.json) defines it; errors use Ivy's one envelope and statuses."""
+class TeiEmbedAllRequest(_Strict):
+    """TEI's /embed_all request (every token's last hidden state); the fields TEI's other
+    embedding requests share (TEI 1.7.1's published OpenAPI document, docs/openapi.json).
+    Errors use Ivy's one envelope and statuses."""
 
     inputs: EmbedInput = Field(description="Text, texts, token ids or lists of token ids.")
-    normalize: bool = True
     truncate: bool | None = Field(
         default=None, description="Default: the server's `--auto-truncate`."
     )
@@ -225,45 +225,26 @@ class TeiEmbedRequest(_Strict):
     prompt_name: str | None = Field(
         default=None, description="`query` or `document`: the model's prompt of that name."
     )
-    dimensions: PositiveUInt32 | None = None
     model: str | None = Field(
         default=None,
         description="Trellis extension: the served model (default: the first that embeds).",
     )
 
 
-class TeiEmbedSparseRequest(_Strict):
-    """TEI's /embed_sparse request (TEI's published OpenAPI document)."""
+class TeiEmbedRequest(TeiEmbedAllRequest):
+    """TEI's /embed request."""
 
-    inputs: EmbedInput = Field(description="Text, texts, token ids or lists of token ids.")
-    truncate: bool | None = Field(
-        default=None, description="Default: the server's `--auto-truncate`."
-    )
-    truncation_direction: Direction = "Right"
-    prompt_name: str | None = Field(
-        default=None, description="`query` or `document`: the model's prompt of that name."
-    )
+    normalize: bool = True
+    dimensions: PositiveUInt32 | None = None
+
+
+class TeiEmbedSparseRequest(TeiEmbedAllRequest):
+    """TEI's /embed_sparse request."""
+
     model: str | None = Field(
         default=None,
         description="Trellis extension: the served model (default: the first with a sparse "
         "output).",
-    )
-
-
-class TeiEmbedAllRequest(_Strict):
-    """TEI's /embed_all request: every token's last hidden state."""
-
-    inputs: EmbedInput = Field(description="Text, texts, token ids or lists of token ids.")
-    truncate: bool | None = Field(
-        default=None, description="Default: the server's `--auto-truncate`."
-    )
-    truncation_direction: Direction = "Right"
-    prompt_name: str | None = Field(
-        default=None, description="`query` or `document`: the model's prompt of that name."
-    )
-    model: str | None = Field(
-        default=None,
-        description="Trellis extension: the served model (default: the first that embeds).",
     )
 
 
