@@ -33,7 +33,7 @@ from ivy.asgi import (
     send_body,
     send_json,
 )
-from ivy.config import WORKER_CONFIG_ENV, IvyConfig
+from ivy.config import WORKER_CONFIG_ENV, IvyConfig, context_limits
 from ivy.errors import (
     InternalError,
     IvyError,
@@ -527,6 +527,7 @@ class IvyApp:
             hedge_after_s=config.hedge_after_seconds,
             auto_truncate=config.auto_truncate,
             max_connections=config.max_connections,
+            context_limits=context_limits(config),
         )
         for name in models:
             pool = ReplicaPool(

@@ -26,9 +26,12 @@ __all__ = [
     "SHUTDOWN_MARGIN_SECONDS",
     "WORKER_CONFIG_ENV",
     "ConfigError",
+    "PERPLEXITY_LIMITS",
+    "ContextLimits",
     "IvyConfig",
     "add_arguments",
     "config_from_args",
+    "context_limits",
     "parse_config",
 ]
 
@@ -48,6 +51,22 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
         self.key = key
+
+
+@dataclass(frozen=True)
+class ContextLimits:
+    """Limits of /v1/contextualizedembeddings (IvyConfig's ``max_documents`` ...)."""
+
+    documents: int
+    chunks: int  # all documents together
+    document_tokens: int  # or the model's own limit, when lower
+    request_tokens: int
+
+
+# Perplexity's API limits: the defaults.
+PERPLEXITY_LIMITS = ContextLimits(
+    documents=512, chunks=16_000, document_tokens=32_768, request_tokens=120_000
+)
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,12 @@ class IvyConfig:
     generation_timeout_seconds: float = 600.0
     max_body_bytes: int = 4 * 1024 * 1024
     max_inputs: int = 2048
+    # /v1/contextualizedembeddings: documents, chunks, tokens per document and per request
+    # (the defaults are Perplexity's API limits)
+    max_documents: int = PERPLEXITY_LIMITS.documents
+    max_chunks: int = PERPLEXITY_LIMITS.chunks
+    max_document_tokens: int = PERPLEXITY_LIMITS.document_tokens
+    max_request_tokens: int = PERPLEXITY_LIMITS.request_tokens
     # characters of one /tokenize input or one rerank query (their work grows with size,
     # and neither is truncated on the way)
     max_input_chars: int = 262_144
@@ -139,6 +164,9 @@ class IvyConfig:
             raise ConfigError("max-body-bytes", f"must be >= 1024, got {self.max_body_bytes}")
         if self.max_inputs < 1:
             raise ConfigError("max-inputs", "must be >= 1")
+        for key in ("max_documents", "max_chunks", "max_document_tokens", "max_request_tokens"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key.replace("_", "-"), f"must be >= 1, got {getattr(self, key)}")
         if self.max_input_chars < 1:
             raise ConfigError("max-input-chars", f"must be >= 1, got {self.max_input_chars}")
         if self.hedge_after_seconds <= 0:
@@ -242,6 +270,15 @@ def _models(entries: Sequence[str]) -> dict[str, str]:
     return out
 
 
+def context_limits(config: IvyConfig) -> ContextLimits:
+    return ContextLimits(
+        config.max_documents,
+        config.max_chunks,
+        config.max_document_tokens,
+        config.max_request_tokens,
+    )
+
+
 def _boolean(key: str, raw: str) -> bool:
     text = raw.strip().lower()
     if text in ("1", "true", "yes", "on"):
@@ -285,6 +322,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-body-bytes", type=int)
     parser.add_argument("--max-inputs", type=int)
+    context = "/v1/contextualizedembeddings"
+    parser.add_argument("--max-documents", type=int, help=f"{context}: documents per request")
+    parser.add_argument("--max-chunks", type=int, help=f"{context}: chunks per request")
+    parser.add_argument("--max-document-tokens", type=int, help=f"{context}: tokens per document")
+    parser.add_argument("--max-request-tokens", type=int, help=f"{context}: tokens per request")
     parser.add_argument(
         "--max-input-chars", type=int, help="characters of a /tokenize input or rerank query"
     )
@@ -327,6 +369,10 @@ _SCALARS: dict[str, type] = {
     "generation_timeout_seconds": float,
     "max_body_bytes": int,
     "max_inputs": int,
+    "max_documents": int,
+    "max_chunks": int,
+    "max_document_tokens": int,
+    "max_request_tokens": int,
     "max_input_chars": int,
     "hedge_after_seconds": float,
     "max_connections": int,

@@ -14,16 +14,13 @@ from typing import Any
 
 import numpy as np
 
+from ivy.config import PERPLEXITY_LIMITS, ContextLimits
 from ivy.errors import ModelNotFoundError, UnavailableError, ValidationError
 from ivy.metrics import Metrics
 from ivy.models import CROSS_ENCODER, EMBEDDING, OUTPUT_KINDS, PairTemplate, ServedModel
 from ivy.replicas import Replica, ReplicaPool
 from ivy.router import Claim, EmbedOutputs, Router
 from ivy.schemas import (
-    CONTEXT_MAX_CHUNKS,
-    CONTEXT_MAX_DOCUMENT_TOKENS,
-    CONTEXT_MAX_DOCUMENTS,
-    CONTEXT_MAX_REQUEST_TOKENS,
     RERANK_META,
     VERSION,
     ApiVersion,
@@ -105,6 +102,7 @@ class Gateway:
         hedge_after_s: float = 2.0,
         auto_truncate: bool = False,
         max_connections: int = 2048,
+        context_limits: ContextLimits = PERPLEXITY_LIMITS,
     ) -> None:
         self.models = models
         self.pools = pools
@@ -115,6 +113,7 @@ class Gateway:
         self.request_timeout_s = request_timeout_s
         self.auto_truncate = auto_truncate
         self.max_connections = max_connections
+        self.context_limits = context_limits
         self.draining = False
         self.created = int(time.time())
         self._leading: dict[str, int] = {}  # model -> special tokens before a text
@@ -468,16 +467,17 @@ class Gateway:
         which attended to the whole document."""
         model = self.embedder(req.model)
         spec = model.spec
+        limits = self.context_limits
         docs = req.input
-        if len(docs) > CONTEXT_MAX_DOCUMENTS:
+        if len(docs) > limits.documents:
             raise ValidationError(
-                f"At most {CONTEXT_MAX_DOCUMENTS} documents per request, got {len(docs)}.",
+                f"At most {limits.documents} documents per request, got {len(docs)}.",
                 param="input",
             )
         counts = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
-        if int(counts.sum()) > CONTEXT_MAX_CHUNKS:
+        if int(counts.sum()) > limits.chunks:
             raise ValidationError(
-                f"At most {CONTEXT_MAX_CHUNKS} chunks per request (all documents together), "
+                f"At most {limits.chunks} chunks per request (all documents together), "
                 f"got {int(counts.sum())}.",
                 param="input",
             )
@@ -500,7 +500,7 @@ class Gateway:
                     ids, lengths = encode(chunks, False, None)
                 head, tail = self._document_frame(model, model.prompt_for(req.input_type))
                 ids, doc_lengths, bounds = _late_chunks(ids, lengths, counts, head, tail)
-            limit = min(CONTEXT_MAX_DOCUMENT_TOKENS, spec.max_input_tokens)
+            limit = min(limits.document_tokens, spec.max_input_tokens)
             over = np.flatnonzero(doc_lengths > limit)
             if over.size:
                 i = int(over[0])
@@ -517,9 +517,9 @@ class Gateway:
                     f"Chunk {j - int(counts[:i].sum())} of document {i} has no tokens.",
                     param="input",
                 )
-            if ids.size > CONTEXT_MAX_REQUEST_TOKENS:
+            if ids.size > limits.request_tokens:
                 raise ValidationError(
-                    f"At most {CONTEXT_MAX_REQUEST_TOKENS} tokens per request, got {ids.size}.",
+                    f"At most {limits.request_tokens} tokens per request, got {ids.size}.",
                     param="input",
                 )
             timings.tokenize_s = time.perf_counter() - t0

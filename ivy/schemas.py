@@ -162,13 +162,6 @@ class EmbeddingResponse:
     usage: Usage
 
 
-# Perplexity's limits on /v1/contextualizedembeddings (its API reference states them).
-CONTEXT_MAX_DOCUMENTS = 512
-CONTEXT_MAX_CHUNKS = 16_000
-CONTEXT_MAX_DOCUMENT_TOKENS = 32_768  # or the model's own limit, when lower
-CONTEXT_MAX_REQUEST_TOKENS = 120_000
-
-
 class ContextualizedEmbeddingRequest(_Strict):
     """Perplexity's contextualized (late-chunking) embeddings request: each document is a
     list of chunks, encoded together in one sequence; each chunk's vector is pooled over
@@ -177,9 +170,10 @@ class ContextualizedEmbeddingRequest(_Strict):
     input: Annotated[
         list[Annotated[list[NonEmptyStr], Field(min_length=1)]], Field(min_length=1)
     ] = Field(
-        description=f"Documents, each a list of its chunks in order (at most {CONTEXT_MAX_DOCUMENTS} "
-        f"documents, {CONTEXT_MAX_CHUNKS} chunks in all, {CONTEXT_MAX_DOCUMENT_TOKENS} tokens per "
-        f"document, {CONTEXT_MAX_REQUEST_TOKENS} tokens per request; no empty strings)."
+        description="Documents, each a list of its chunks in order (no empty strings; at "
+        "most --max-documents documents, --max-chunks chunks in all, --max-document-tokens "
+        "tokens per document and --max-request-tokens per request: by default Perplexity's "
+        "512, 16,000, 32K and 120,000)."
     )
     model: str
     encoding_format: Literal["base64_int8", "base64_binary", "float", "base64"] = Field(

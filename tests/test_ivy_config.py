@@ -127,3 +127,16 @@ def test_shutdown_outlasts_the_longest_request(model_dir: Path) -> None:
         [*base, "--request-timeout-seconds", "20", "--generation-timeout-seconds", "8"], {}
     )
     assert short.shutdown_seconds == 20.0 + SHUTDOWN_MARGIN_SECONDS
+
+
+def test_contextualized_limits_come_from_the_config(model_dir: Path) -> None:
+    from ivy.config import PERPLEXITY_LIMITS, context_limits
+
+    base = ["--model", f"m={model_dir}", "--replicas", "m=127.0.0.1:1"]
+    assert context_limits(parse_config(base, {})) == PERPLEXITY_LIMITS
+    assert PERPLEXITY_LIMITS.documents == 512 and PERPLEXITY_LIMITS.request_tokens == 120_000
+    config = parse_config([*base, "--max-documents", "8"], {"IVY_MAX_CHUNKS": "20"})
+    limits = context_limits(config)
+    assert (limits.documents, limits.chunks, limits.document_tokens) == (8, 20, 32_768)
+    with pytest.raises(ConfigError, match="^max-request-tokens: must be >= 1"):
+        parse_config([*base, "--max-request-tokens", "0"], {})
