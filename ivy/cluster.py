@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,8 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tulip.process import free_port
 
 __all__ = ["Cluster", "ClusterConfig", "add_parser", "main"]
 
@@ -67,12 +68,6 @@ class ClusterConfig:
             return self.threads_per_replica
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         return max(1, cores or 1)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from ivy.cluster import free_port
+from tulip.process import free_port
 
 __all__ = ["ivy_over", "serve_dirs", "wait_ready"]
 

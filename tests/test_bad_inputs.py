@@ -34,8 +34,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ivy.cluster import free_port
-from tulip.process import TulipProcess
+from tulip.process import TulipProcess, free_port
 
 E5 = "multilingual-e5-small"
 SMOL = "smollm2-135m-instruct"

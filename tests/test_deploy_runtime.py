@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,17 +27,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy import check
 from deploy.tools import Tools, ensure_tools
+from tulip.process import free_port
 
 MODEL = "multilingual-e5-small"
 HEALTHCHECK = check.DEPLOY_DIR / "docker" / "healthcheck.py"
 # Loading the model (Tulip) or the tokenizer (Ivy) on a busy 2-core machine.
 START_TIMEOUT_S = 300.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _healthcheck(
@@ -123,8 +117,8 @@ def tulip(cpu_overlay: dict[str, Any], models_dir: Path) -> Iterator[dict[str, A
     env = _env(objects, container)
     env.update(
         TULIP_HOST="127.0.0.1",
-        TULIP_PORT=str(_free_port()),
-        TULIP_METRICS_PORT=str(_free_port()),
+        TULIP_PORT=str(free_port()),
+        TULIP_METRICS_PORT=str(free_port()),
         TULIP_THREADS="1",
         TRELLIS_MODELS_DIR=str(models_dir),
     )
@@ -176,9 +170,9 @@ def test_tulip_serves_metrics_where_prometheus_looks(
 def test_healthcheck_fails_on_a_wrong_service_or_no_server(tulip: dict[str, Any]) -> None:
     wrong = _healthcheck("tulip", "--service", "no.such.Service", env=tulip["env"])
     assert wrong.returncode == 1 and "NOT_FOUND" in wrong.stderr
-    nobody = _healthcheck("tulip", "--port", str(_free_port()), "--timeout", "1")
+    nobody = _healthcheck("tulip", "--port", str(free_port()), "--timeout", "1")
     assert nobody.returncode == 1
-    nobody = _healthcheck("ivy", "--port", str(_free_port()), "--timeout", "1")
+    nobody = _healthcheck("ivy", "--port", str(free_port()), "--timeout", "1")
     assert nobody.returncode == 1
 
 
@@ -195,7 +189,7 @@ def test_ivy_discovers_tulip_by_dns_and_serves(
     mount = env["TRELLIS_MODELS_DIR"]
     env.update(
         IVY_HOST="127.0.0.1",
-        IVY_PORT=str(_free_port()),
+        IVY_PORT=str(free_port()),
         IVY_WORKERS="1",
         IVY_REPLICAS_DNS=f"{name}=localhost:{tulip['env']['TULIP_PORT']}",
         IVY_MODEL=env["IVY_MODEL"].replace(f"={mount}/", f"={models_dir}/"),

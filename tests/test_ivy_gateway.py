@@ -46,6 +46,7 @@ from ivy.serve import uvicorn_config
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
 from protos.wire import pack_tensor, pack_token_batch, unpack_tensor, unpack_token_batch
+from tulip.process import free_port
 
 DIMS = 8
 MAX_TOKENS = 32
@@ -165,12 +166,6 @@ class StandIn(pb_grpc.InferenceServicer):
             max_input_tokens=MAX_TOKENS,
             vocab_size=len(WORDS),
         )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

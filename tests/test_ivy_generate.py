@@ -24,7 +24,7 @@ import httpx
 import pytest
 from up_cluster import UpCluster, start_up, stop_up
 
-from ivy.cluster import free_port
+from tulip.process import free_port
 
 MODEL = "smollm2-135m-instruct"
 EMBEDDER = "multilingual-e5-small"

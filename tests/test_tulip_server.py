@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from protos.trellis.v1 import inference_pb2 as pb
 from protos.wire import pack_token_batch
 from rose import Engine
 from tulip.client import TulipClient, embed_request, read_embed
-from tulip.process import Samples, TulipProcess
+from tulip.process import Samples, TulipProcess, free_port
 
 ATOL = 1e-4  # batched vs single rows, float32
 STATUS = health_pb2.HealthCheckResponse
@@ -481,3 +482,15 @@ def test_sigterm_under_load_completes_accepted_work_and_exits_zero(
     # Requests in the server when SIGTERM arrived were still answered, correctly.
     assert any(status == "OK" and after > 0 for status, after, _ in report), report
     assert health[0] == STATUS.SERVING and STATUS.NOT_SERVING in health[1:], health
+
+
+def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:
+    # Outgoing connections take their source ports from the ephemeral range, so a port picked
+    # there can be gone by the time a child process binds it (trellis up failed so in CI).
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(32)}
+    assert len(ports) > 16  # random picks, not one port handed out again and again
+    for port in ports:
+        assert 10_000 <= port < low
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ivy.cluster import free_port
+from tulip.process import free_port
 
 __all__ = ["UpCluster", "start_up", "stop_up"]
 

@@ -7,6 +7,7 @@ service says SERVING, and stops it the way an orchestrator does (SIGTERM, then w
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,10 +29,36 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port nothing is bound to right now, below the kernel's ephemeral range.
+
+    The port is free when this returns, and the child binds it later (seconds, after its
+    imports). An ephemeral port can be taken in between by any outgoing connection on the
+    machine, since the kernel hands those out of that range; `trellis up` failed to bind that
+    way under load. A random port below the range is only ever taken by someone binding
+    it on purpose. Falls back to a kernel-chosen port if the range leaves no room below it.
+    """
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64):
+        port = rng.randrange(_LOWEST_PICKED, low) if low > _LOWEST_PICKED + 1000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError(f"no free TCP port found on {host}")
+
+
+_LOWEST_PICKED = 10_000  # below: well-known services and what admins pin by hand
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def scrape_metrics(url: str, timeout: float = 5.0) -> Samples:

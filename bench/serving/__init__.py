@@ -152,7 +152,8 @@ def layout(replicas: int | None, threads: int = 0) -> tuple[int, int]:
 
 @contextlib.contextmanager
 def ivy_cluster(model: str, replicas: int | None = None, threads: int = 0) -> Iterator[Http]:
-    from ivy.cluster import Cluster, ClusterConfig, free_port
+    from ivy.cluster import Cluster, ClusterConfig
+    from tulip.process import free_port
 
     # CPU batches of 100 x 512 tokens from 4 clients take minutes here: lift the deadline.
     config = ClusterConfig(
@@ -191,7 +192,8 @@ def fair_latency(
     """Ivy + 1 replica x ``threads`` vs in-process ROSE x ``threads``, interleaved requests."""
     import torch
 
-    from ivy.cluster import Cluster, ClusterConfig, free_port
+    from ivy.cluster import Cluster, ClusterConfig
+    from tulip.process import free_port
 
     torch.set_num_threads(threads)
     config = ClusterConfig(
@@ -255,7 +257,7 @@ def fair_latency(
 
 @contextlib.contextmanager
 def infinity_server(venv: Path, model_dir: Path) -> Iterator[Http]:
-    from ivy.cluster import free_port
+    from tulip.process import free_port
 
     port = free_port()
     exe = venv / "bin" / "infinity_emb"
