@@ -116,7 +116,10 @@ class Gateway:
         self.context_limits = context_limits
         self.draining = False
         self.created = int(time.time())
-        self._leading: dict[str, int] = {}  # model -> special tokens before a text
+        # model -> the special tokens the tokenizer puts before and after a text
+        self._specials: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        # (model, prompt) -> the prompt's token ids, no specials
+        self._prompt_ids: dict[tuple[str, str], np.ndarray] = {}
 
     # ---- state -------------------------------------------------------------------------
     def on_replica_info(self, replica: Replica) -> None:
@@ -204,18 +207,19 @@ class Gateway:
         else:
             ids, lengths = model.tokenizer.encode_batch_packed(texts, True, trunc)
         if truncate and left and lengths.size and int(lengths.max()) > cut:
-            ids, lengths = _cut_left(ids, lengths, cut, self._leading_specials(model))
+            ids, lengths = _cut_left(ids, lengths, cut, len(self._special_frame(model)[0]))
         if not truncate:
             _check_lengths(lengths, limit, param)
         return ids, lengths
 
-    def _leading_specials(self, model: ServedModel) -> int:
-        """How many special tokens the tokenizer puts before a text (kept by left cuts)."""
-        count = self._leading.get(model.name)
-        if count is None:
+    def _special_frame(self, model: ServedModel) -> tuple[np.ndarray, np.ndarray]:
+        """The special token ids the tokenizer puts before a text (kept by left cuts) and
+        after it, found once per model by encoding "a" with and without them."""
+        frame = self._specials.get(model.name)
+        if frame is None:
             bare, _ = model.tokenizer.encode_batch_packed(["a"], False, None)
             full, _ = model.tokenizer.encode_batch_packed(["a"], True, None)
-            count = next(
+            lead = next(
                 (
                     i
                     for i in range(len(full) - len(bare) + 1)
@@ -223,8 +227,8 @@ class Gateway:
                 ),
                 0,
             )
-            self._leading[model.name] = count
-        return count
+            frame = self._specials[model.name] = (full[:lead], full[lead + len(bare) :])
+        return frame
 
     # ---- endpoints ---------------------------------------------------------------------
     def embedder(self, name: str | None) -> ServedModel:
@@ -553,14 +557,14 @@ class Gateway:
     def _document_frame(self, model: ServedModel, prompt: str) -> tuple[np.ndarray, np.ndarray]:
         """Token ids before a late-chunked document's first chunk (the tokenizer's leading
         special tokens, then `prompt`) and after its last (the trailing special tokens)."""
-        full, _ = model.tokenizer.encode_batch_packed(["a"], True, None)
-        bare, _ = model.tokenizer.encode_batch_packed(["a"], False, None)
-        lead = self._leading_specials(model)
-        head, tail = full[:lead], full[lead + len(bare) :]
-        if prompt:
+        lead, tail = self._special_frame(model)
+        if not prompt:
+            return lead, tail
+        said = self._prompt_ids.get((model.name, prompt))
+        if said is None:  # prompts come from the model's config: a handful per model
             said, _ = model.tokenizer.encode_batch_packed([prompt], False, None)
-            head = np.concatenate((head, said))
-        return head, tail
+            self._prompt_ids[(model.name, prompt)] = said
+        return np.concatenate((lead, said)), tail
 
     async def tei_embed(self, req: TeiEmbedRequest, timings: Timings) -> np.ndarray:
         """TEI's /embed: one array of floats per input."""
