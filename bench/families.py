@@ -185,6 +185,8 @@ def _write_dir(model: Model, path: Path) -> None:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+    from rose.assets.layout import write_pooling
+
     torch.manual_seed(0)
     cfg = model.config(model.layers)
     net = getattr(transformers, model.model_class)(cfg).eval()
@@ -220,22 +222,7 @@ def _write_dir(model: Model, path: Path) -> None:
         )
     )
     if model.kind == "embedding":
-        modules = [
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {
-                "idx": 1,
-                "name": "1",
-                "path": "1_Pooling",
-                "type": "sentence_transformers.models.Pooling",
-            },
-        ]
-        (path / "modules.json").write_text(json.dumps(modules))
-        (path / "1_Pooling").mkdir()
-        (path / "1_Pooling" / "config.json").write_text(
-            json.dumps(
-                {"word_embedding_dimension": cfg.hidden_size, "pooling_mode_mean_tokens": True}
-            )
-        )
+        write_pooling(path, cfg.hidden_size)
 
 
 # -- workload ----------------------------------------------------------------------------------

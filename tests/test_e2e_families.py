@@ -34,6 +34,8 @@ import transformers
 from ivy_process import serve_dirs
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+from rose.assets.layout import write_pooling
+
 VOCAB = 300
 WORDS = [f"w{i}" for i in range(4, VOCAB)]
 SPECIALS = {"[CLS]": 0, "[PAD]": 1, "[SEP]": 2, "[UNK]": 3}
@@ -58,23 +60,6 @@ def _tokenizer(path: Path, *, specials: bool) -> None:
             special_tokens=[("[CLS]", 0), ("[SEP]", 2)],
         )
     tok.save(str(path / "tokenizer.json"))
-
-
-def _mean_pooling(path: Path, dims: int) -> None:
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-    ]
-    (path / "modules.json").write_text(json.dumps(modules))
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": dims, "pooling_mode_mean_tokens": True})
-    )
 
 
 def _spread(model: torch.nn.Module) -> None:
@@ -110,7 +95,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     out["qwen3-bidir"] = _save(transformers.Qwen3Model(qwen3), root / "qwen3-bidir")
     _tokenizer(out["qwen3-bidir"], specials=False)
-    _mean_pooling(out["qwen3-bidir"], 64)
+    write_pooling(out["qwen3-bidir"], 64)
 
     mpnet = transformers.MPNetConfig(
         vocab_size=VOCAB,
@@ -123,7 +108,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     out["mpnet"] = _save(transformers.MPNetModel(mpnet, add_pooling_layer=False), root / "mpnet")
     _tokenizer(out["mpnet"], specials=True)
-    _mean_pooling(out["mpnet"], 64)
+    write_pooling(out["mpnet"], 64)
 
     modernbert = transformers.ModernBertConfig(
         vocab_size=VOCAB,

@@ -42,6 +42,7 @@ import transformers
 from ivy_process import ivy_over
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+from rose.assets.layout import write_pooling
 from tulip.process import TulipProcess
 
 REPO = "trellis-test/tiny-bert"
@@ -82,20 +83,7 @@ def _tiny_bert(path: Path, seed: int) -> Path:
         special_tokens=[("[CLS]", 0), ("[SEP]", 2)],
     )
     tok.save(str(path / "tokenizer.json"))
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-    ]
-    (path / "modules.json").write_text(json.dumps(modules))
-    (path / "1_Pooling").mkdir()
-    (path / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True})
-    )
+    write_pooling(path, 32)
     for name in UNSERVED:
         (path / name).parent.mkdir(parents=True, exist_ok=True)
         (path / name).write_bytes(f"not for serving: {name}\n".encode())

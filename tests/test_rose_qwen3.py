@@ -28,6 +28,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from rose import Engine, EngineConfig, EngineError, RaggedBatch
+from rose.assets.layout import write_pooling
 from rose.attention import SdpaBackend
 from rose.graphs import RecordingCaptureBackend
 from rose.loading import read_config, read_tensors
@@ -60,40 +61,6 @@ def _edit_config(path: Path, **changes: object) -> None:
     (path / "config.json").write_text(json.dumps(raw))
 
 
-def _write_st(path: Path, pooling: str, normalize: bool) -> None:
-    """A sentence-transformers layout: Transformer, Pooling (legacy keys), optional Normalize."""
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {
-            "idx": 1,
-            "name": "1",
-            "path": "1_Pooling",
-            "type": "sentence_transformers.models.Pooling",
-        },
-    ]
-    if normalize:
-        modules.append(
-            {
-                "idx": 2,
-                "name": "2",
-                "path": "2_Normalize",
-                "type": "sentence_transformers.models.Normalize",
-            }
-        )
-    (path / "modules.json").write_text(json.dumps(modules))
-    (path / "1_Pooling").mkdir(exist_ok=True)
-    (path / "1_Pooling" / "config.json").write_text(
-        json.dumps(
-            {
-                "word_embedding_dimension": 64,
-                "pooling_mode_cls_token": False,
-                "pooling_mode_mean_tokens": pooling == "mean",
-                "pooling_mode_lasttoken": pooling == "lasttoken",
-            }
-        )
-    )
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
     """Model directories by use, each with the transformers module that is its reference."""
@@ -105,7 +72,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn
     # Qwen3-Embedding style: plain qwen3 config, last-token pooling, normalized.
     causal = root / "qwen3-embedding"
     base.save_pretrained(causal)
-    _write_st(causal, "lasttoken", normalize=True)
+    write_pooling(causal, 64, "lasttoken", normalize=True)
     out["causal"] = (base, causal)
 
     # pplx-embed style: its model_type, architecture and flag; mean pooling, not normalized.
@@ -117,7 +84,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn
         architectures=["PPLXQwen3Model"],
         use_bidirectional_attention=True,
     )
-    _write_st(bidir, "mean", normalize=False)
+    write_pooling(bidir, 64, "mean")
     out["bidirectional"] = (base, bidir)
 
     # No sentence-transformers files: the family's default pooling applies.
