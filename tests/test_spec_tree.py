@@ -124,6 +124,30 @@ def test_tree_pass_equals_plain_passes_over_each_path(target: LlamaForCausalLM, 
         )
 
 
+@pytest.mark.parametrize("pending", [1, 2])
+def test_tree_metadata_reads_nothing_back_from_the_device(pending: int) -> None:
+    # On the meta device a tensor has no data: any .tolist(), .item() or host copy of one
+    # raises, as a read-back would make a GPU pass wait for the queued work (#26, item 6).
+    # The same build on the CPU must give the same shapes, and this tree's known mask.
+    tree = DraftTree([5, 6], [[7], []])
+    alloc = PageAllocator(32)
+    tables = [BlockTable(alloc, 16) for _ in range(2)]
+    tables[0].reserve(3 + pending + len(tree.tokens))
+    tables[1].reserve(4)
+    entries = [(tables[0], 3, pending + len(tree.tokens)), (tables[1], 3, 1)]
+    trees = [(0, 3, pending, tree)]
+    on_meta = tree_metadata(AttentionMetadata.build(entries, device="meta"), trees)
+    on_cpu = tree_metadata(AttentionMetadata.build(entries), trees)
+    assert on_meta.mask is not None and on_cpu.mask is not None
+    assert on_meta.mask.device.type == "meta" and on_meta.positions.device.type == "meta"
+    assert on_meta.mask.shape == on_cpu.mask.shape
+    root = 3 + pending
+    nodes = on_cpu.mask[0, 0, pending : pending + 3, root : root + 3]
+    ancestry = torch.tensor([[1, 0, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)  # c1 c2 a1
+    assert torch.equal(nodes, ancestry)
+    assert on_cpu.positions[pending : pending + 3].tolist() == [root, root + 1, root]
+
+
 @pytest.fixture(scope="module")
 def head(target: LlamaForCausalLM) -> MTPHead:
     seqs = answer_prompts(target, random_prompts(10, 96), answer_tokens=32)

@@ -90,6 +90,11 @@ class PageLists:
     def kv_last_page_len(self) -> torch.Tensor:
         return torch.tensor(self._lists[3], dtype=torch.int32)
 
+    def new_token_offsets(self) -> list[int]:
+        """``qo_indptr`` as a host list: where each sequence's new tokens start in ``[T]``
+        (the same numbers as the metadata's device-side ``cu_seqlens``, without reading them)."""
+        return list(self._lists[0])
+
     def lengths(self) -> list[tuple[int, int]]:
         """``(new tokens, keys)`` of every sequence."""
         qo, kv, _, last = self._lists

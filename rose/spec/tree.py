@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rose.kv.metadata import AttentionMetadata
+from rose.kv.metadata import AttentionMetadata, to_device
 
 __all__ = ["DraftTree", "DynamicTree", "accept_greedy_tree", "tree_metadata"]
 
@@ -103,24 +103,27 @@ def tree_metadata(
     depth(j)`` and sees keys ``0 .. cached + P - 1`` plus its ancestors and itself."""
     if not trees:
         return meta
+    # Everything that depends on the trees is built on the host and sent with `to_device`
+    # (page-locked, non-blocking), and the offsets come from the host-side page lists: a tree
+    # pass reads nothing back from the device, so building it never waits for the work
+    # queued before it.
+    device = meta.kv_slots.device
     positions = meta.positions.clone()
     lq, lk = meta.q_index.shape[1], meta.kv_slots.shape[1]
     if meta.mask is None:
-        mask = torch.ones(meta.q_index.shape[0], 1, lq, lk, dtype=torch.bool)
+        mask = torch.ones(meta.q_index.shape[0], 1, lq, lk, dtype=torch.bool, device=device)
     else:
         mask = meta.mask.clone()
-    cu = meta.cu_seqlens.tolist()
+    cu = meta.pages.new_token_offsets()
     for b, cached, pending, tree in trees:
         n = len(tree.tokens)
         root = cached + pending  # first node's cache index
-        depth = torch.tensor(tree.depths, dtype=positions.dtype, device=positions.device)
+        depth = to_device(torch.tensor(tree.depths, dtype=positions.dtype), device)  # [n]
         positions[cu[b] + pending : cu[b] + pending + n] = root - 1 + depth
-        rows = mask[b, 0, pending : pending + n]
+        rows = mask[b, 0, pending : pending + n]  # [n, Lk]
         rows[:, root:] = False
-        rows[:, root : root + n] = torch.tensor(_ancestry(tree.parents), device=rows.device)
-    return replace(
-        meta, positions=positions, mask=mask.to(meta.kv_slots.device), causal=False, kernel=None
-    )
+        rows[:, root : root + n] = to_device(torch.tensor(_ancestry(tree.parents)), device)
+    return replace(meta, positions=positions, mask=mask, causal=False, kernel=None)
 
 
 def _ancestry(parents: list[int]) -> list[list[bool]]:
