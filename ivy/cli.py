@@ -2,6 +2,8 @@
 
 Each subcommand module exposes ``add_parser(subparsers)``, which registers its parser
 and sets ``handler`` (a callable taking the parsed namespace and returning an exit code).
+A subcommand that sets ``forwards_unknown`` gets the options it does not know itself as
+``args.forwarded`` (`trellis up` hands them to its Tulip replicas) and checks them itself.
 """
 
 from __future__ import annotations
@@ -29,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "forwards_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.forwarded = tuple(unknown)
     return int(args.handler(args) or 0)
 
 

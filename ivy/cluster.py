@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -48,6 +49,8 @@ class ClusterConfig:
     drain_seconds: float = 10.0
     max_batch_tokens: int = 0  # 0: Tulip's default
     extra_ivy_args: tuple[str, ...] = ()
+    # Tulip flags for every replica (`trellis up ... --spec ngram`), checked by `tulip_flags`
+    tulip_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -144,6 +147,7 @@ class Cluster:
         ]
         if cfg.max_batch_tokens:
             argv += ["--max-batch-tokens", str(cfg.max_batch_tokens)]
+        argv += cfg.tulip_args
         proc = self._spawn(argv, env, f"tulip-{index}")
         if index < len(self.tulips):
             self.tulips[index] = proc
@@ -339,7 +343,10 @@ def run(config: ClusterConfig) -> int:
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("up", help="start a local cluster (Tulip replicas + Ivy)")
+    # No abbreviations: --threads is Tulip's (and refused), not --threads-per-replica.
+    parser = subparsers.add_parser(
+        "up", help="start a local cluster (Tulip replicas + Ivy)", allow_abbrev=False
+    )
     parser.add_argument(
         "--model",
         default=_DEFAULT_MODEL,
@@ -358,7 +365,45 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--ivy-workers", type=int, default=1)
     parser.add_argument("--chunk-tokens", type=int, default=ClusterConfig.chunk_tokens)
-    parser.set_defaults(handler=main)
+    parser.epilog = (
+        "Other options go to every Tulip replica as given, e.g. --spec ngram, --spec mtp "
+        "--mtp-head DIR, --dtype bfloat16 (see python -m tulip --help); trellis up sets "
+        f"{', '.join(_SET_BY_UP)} itself."
+    )
+    parser.set_defaults(handler=main, forwards_unknown=True)
+
+
+# Tulip flags `trellis up` chooses per replica: a forwarded one would contradict them.
+_SET_BY_UP = (
+    "--model",
+    "--model-name",
+    "--host",
+    "--port",
+    "--metrics-port",
+    "--device",
+    "--threads",
+    "--drain-seconds",
+)
+
+
+def tulip_flags(forwarded: Sequence[str]) -> tuple[str, ...]:
+    """``forwarded`` once Tulip's own parser and checks accept it (`ValueError` if not)."""
+    from tulip.config import ConfigError, TulipConfig
+
+    for arg in forwarded:
+        flag = arg.partition("=")[0]
+        if flag in _SET_BY_UP:
+            raise ValueError(f"{flag} is set by trellis up for each replica")
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            TulipConfig.from_args(["--model", "check", *forwarded], environ={})
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    except SystemExit:  # argparse's usage, then "error: unrecognized arguments: ..."
+        error = said.getvalue().strip().splitlines()[-1].partition("error: ")[2]
+        raise ValueError(f"{error} (neither trellis up's nor Tulip's options)") from None
+    return tuple(forwarded)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -371,6 +416,7 @@ def main(args: argparse.Namespace) -> int:
             threads_per_replica=args.threads_per_replica,
             ivy_workers=args.ivy_workers,
             chunk_tokens=args.chunk_tokens,
+            tulip_args=tulip_flags(args.forwarded),
         )
     except ValueError as exc:
         print(f"trellis up: {exc}", file=sys.stderr)

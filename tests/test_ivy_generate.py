@@ -657,6 +657,51 @@ def test_metrics_count_generation(base: str, name: str) -> None:
     assert metric(text, "ivy_generations_total", model=name, outcome="stop") >= 1
 
 
+def test_up_passes_speculation_flags_to_its_replicas(model_dir: Path, oracle: Oracle) -> None:
+    """`trellis up --model M --spec ngram --spec-draft-tokens 3`: each replica is started with
+    the flags, drafts with n-grams, and answers greedy requests exactly as without them."""
+    c = start_up(model_dir, args=["--spec", "ngram", "--spec-draft-tokens", "3"])
+    try:
+        commands = list(c.replicas().values())
+        assert len(commands) == 2, c.children()
+        assert all("--spec ngram --spec-draft-tokens 3" in cmd for cmd in commands), commands
+        client = openai_client(c.base_url)
+        want = [oracle.greedy(oracle.tokenizer(p)["input_ids"], 24) for p in PROMPTS]
+        r = client.completions.create(model=c.name, prompt=PROMPTS, max_tokens=24, temperature=0)
+        assert [ch.text for ch in r.choices] == [w[0] for w in want]
+        drafted = sum(
+            metric(text, "tulip_spec_drafted_tokens_total", method="ngram")
+            for text in c.replica_metrics().values()
+        )
+        assert drafted > 0  # "1, 2, 3, 4, 5," repeats itself: n-grams find drafts
+    finally:
+        assert stop_up(c) == 0, c.text[-4000:]
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--spec", "bogus"], "--spec must be one of"),
+        (["--spec-tree", "3,2"], "--spec-tree is only used with --spec mtp"),
+        (["--metrics-port", "9"], "--metrics-port is set by trellis up"),
+        (["--threads", "2"], "--threads is set by trellis up"),  # not --threads-per-replica
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_up_refuses_bad_replica_flags_before_starting(
+    model_dir: Path, flags: list[str], said: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ivy.cli", "up", "--model", str(model_dir), *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert said in done.stderr, done.stderr
+    assert "preparing model" not in done.stdout  # refused before anything started
+
+
 # ---- last: changes the cluster -----------------------------------------------------------
 
 

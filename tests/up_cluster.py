@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,12 +74,14 @@ class UpCluster:
         return texts
 
 
-def start_up(model_dir: Path, env: dict[str, str] | None = None) -> UpCluster:
-    """`trellis up --model DIR` with 2 replicas x 1 thread on a free port, once ready."""
+def start_up(
+    model_dir: Path, env: dict[str, str] | None = None, args: Sequence[str] = ()
+) -> UpCluster:
+    """`trellis up --model DIR [args]` with 2 replicas x 1 thread on a free port, once ready."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ivy.cli", "up", "--model", str(model_dir), "--port", str(port)]
-        + ["--replicas", "2", "--threads-per-replica", "1"],
+        + ["--replicas", "2", "--threads-per-replica", "1", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
