@@ -6,12 +6,20 @@ from dataclasses import dataclass
 
 from rose.errors import EngineError
 
-__all__ = ["ATTENTION_BACKENDS", "ATTENTION_MODES", "DTYPES", "SDPA_STRATEGIES", "EngineConfig"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "ATTENTION_MODES",
+    "DTYPES",
+    "QUANTIZATIONS",
+    "SDPA_STRATEGIES",
+    "EngineConfig",
+]
 
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("sdpa", "flashinfer")
 SDPA_STRATEGIES = ("auto", "per-sequence", "block-diagonal")
 ATTENTION_MODES = ("auto", "causal", "bidirectional")
+QUANTIZATIONS = ("int8",)
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,11 @@ class EngineConfig:
         as Qwen3-Embedding attend causally, pplx-embed's Qwen3 bidirectionally; BERT-like
         encoders always bidirectionally); "causal" or "bidirectional" insists, and a family
         that cannot run that way refuses to load.
+    quantize: None, or "int8" (CPU, float32 activations, BERT / XLM-R encoders and
+        cross-encoders): the encoder's linear layers on int8 weights (`rose.int8`).
+    accuracy_gate: a reduced CPU mode (int8, or a bfloat16 / float16 dtype on CPU) is compared
+        with float32 at load on `rose.int8`'s check set and refused (EngineError) below its
+        bound; False skips the check (for measurements that want the number, not a verdict).
     """
 
     device: str = "cpu"
@@ -44,6 +57,8 @@ class EngineConfig:
     sdpa_strategy: str = "auto"
     packed_weights: bool = True
     attention_mode: str = "auto"
+    quantize: str | None = None
+    accuracy_gate: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not (
@@ -77,6 +92,22 @@ class EngineConfig:
         if self.attention_mode not in ATTENTION_MODES:
             raise EngineError(
                 f"EngineConfig.attention_mode must be one of {ATTENTION_MODES}, got {self.attention_mode!r}"
+            )
+        if self.quantize is not None:
+            if self.quantize not in QUANTIZATIONS:
+                raise EngineError(
+                    f"EngineConfig.quantize must be None or one of {QUANTIZATIONS}, got {self.quantize!r}"
+                )
+            if self.is_cuda:
+                raise EngineError("EngineConfig.quantize='int8' runs on the CPU only")
+            if self.resolved_dtype != "float32":
+                raise EngineError(
+                    f"EngineConfig.quantize='int8' computes in float32 between its int8 products; "
+                    f"dtype {self.dtype!r} cannot be combined with it"
+                )
+        if not isinstance(self.accuracy_gate, bool):
+            raise EngineError(
+                f"EngineConfig.accuracy_gate must be a boolean, got {self.accuracy_gate!r}"
             )
         if not isinstance(self.packed_weights, bool):
             raise EngineError(

@@ -38,6 +38,7 @@ from rose.heads import (
     splade_max,
     token_rows,
 )
+from rose.int8 import check_accuracy, quantize_int8, reduced_mode
 from rose.lazy import LazyTensor, RaggedRows, StepOutputs
 from rose.loading import (
     ModelInfo,
@@ -47,12 +48,15 @@ from rose.loading import (
     read_splade,
     read_tensors,
 )
-from rose.models import EncoderConfig, Family, FamilyOptions, family_for
+from rose.models import EncoderConfig, Family, FamilyOptions, bert, family_for
 from rose.pooling import POOL_CODES, pool_ragged
 
 __all__ = ["Engine"]
 
 log = logging.getLogger("rose.engine")
+
+# Families whose int8 path is tested against transformers fp32 (tests/test_cpu_precision.py).
+_INT8_FAMILIES = (bert.FAMILY,)
 
 
 @dataclass(frozen=True)
@@ -179,6 +183,13 @@ class Engine:
             colbert = heads is not None and heads.colbert_linear is not None
             outputs = ("dense",) + ("sparse",) * sparse + ("multi_vector",) * colbert
             outputs += ("token_states",)
+        if config.quantize == "int8":
+            if family not in _INT8_FAMILIES:
+                raise EngineError(
+                    f"{path}: EngineConfig.quantize='int8' serves BERT / XLM-R encoders and "
+                    f"cross-encoders; not model_type {raw.get('model_type')!r}"
+                )
+            quantize_int8(model.encoder)  # before packing: packing skips the int8 layers
         if config.packed_weights and device.type == "cpu":
             model.pack_weights()
         max_tokens = cfg.max_input_tokens
@@ -196,7 +207,7 @@ class Engine:
             query_prompt=settings.query_prompt,
             document_prompt=settings.document_prompt,
             device=str(device),
-            dtype=config.resolved_dtype,
+            dtype=config.quantize or config.resolved_dtype,
             token_types=cfg.type_vocab_size,
             outputs=outputs,
         )
@@ -211,6 +222,10 @@ class Engine:
             causal=cfg.causal,
         )
         engine = cls(family, model, info, config, choice.backend, heads=heads, special_ids=special)
+        mode = reduced_mode(config)
+        if mode is not None and config.accuracy_gate:
+            worst = check_accuracy(engine, path, mode)  # EngineError below the mode's bound
+            log.info("rose accuracy gate: %s min cosine to float32 %.6f", mode, worst)
         log.info("rose engine loaded: %r, cuda graphs %s", engine, "on" if engine.graphs else "off")
         return engine
 
@@ -235,6 +250,21 @@ class Engine:
         if self._graphs is not None:
             self._graphs.clear()
         self._graphs = GraphManager(capture, self._config.max_graphs, on_evict=self._evict_slot)
+
+    def check_rows(self, batch: RaggedBatch) -> np.ndarray:
+        """What the accuracy gate compares (`rose.int8`), float32 [B, D] on the host: the
+        pooled rows of an embedding model, the mean final hidden state of each row of a
+        cross-encoder."""
+        host = self._layout(batch)
+        with torch.inference_mode():
+            pooled, hidden = self._run_eager(host)
+            if self._cfg.classifier:
+                seg = torch.from_numpy(host.seg_ids).to(hidden.device)
+                summed = torch.zeros(host.rows, hidden.shape[1], device=hidden.device)
+                summed.index_add_(0, seg, hidden.float())  # [B, H]
+                counts = torch.from_numpy(np.diff(host.cu_seqlens)).to(summed)
+                pooled = summed / counts.clamp(min=1).unsqueeze(1)
+            return pooled.float().cpu().numpy()  # type: ignore[no-any-return]
 
     # -- running ---------------------------------------------------------------------------
 

@@ -111,6 +111,7 @@ class RoseBackend:
             EngineConfig(
                 device=device,
                 dtype=None if config.dtype == "auto" else config.dtype,
+                quantize=None if config.quantize == "none" else config.quantize,
                 cuda_graphs=config.cuda_graphs,
                 max_graphs=64,
                 attention_mode=config.attention_mode,

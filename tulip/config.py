@@ -18,6 +18,7 @@ __all__ = ["ConfigError", "TulipConfig", "env_name"]
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ATTENTION_MODES = ("auto", "causal", "bidirectional")
+_QUANTIZE = ("none", "int8")
 _SPEC_METHODS = ("none", "ngram", "draft", "mtp")
 _RUNNERS = ("auto", "generate", "pooling")
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -49,7 +50,12 @@ class TulipConfig:
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
     dtype: str = "auto"
-    """``auto`` (the engine's choice for the device), ``float32``, ``bfloat16`` or ``float16``."""
+    """``auto`` (the engine's choice for the device), ``float32``, ``bfloat16`` or ``float16``.
+    A reduced dtype on the CPU passes ROSE's accuracy gate at load or Tulip exits (`rose.int8`)."""
+    quantize: str = "none"
+    """``none`` or ``int8``: encoders on the CPU with int8 weights per output channel and
+    activations quantized per call (`rose.int8`); refused at load when its cosine to float32
+    on the check set is under 0.99. Needs float32 activations (``--dtype auto|float32``)."""
     max_batch_tokens: int = 0
     """Token budget of one encoder batch; 0: the backend's choice for its device (16384 on
     a GPU; 2048 on a CPU, where a bigger batch adds latency for every request in it and
@@ -123,6 +129,18 @@ class TulipConfig:
             )
         if self.dtype not in _DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.quantize not in _QUANTIZE:
+            raise ConfigError(
+                f"--quantize must be one of {', '.join(_QUANTIZE)}, got {self.quantize!r}"
+            )
+        if self.quantize != "none":
+            if self.dtype not in ("auto", "float32"):
+                raise ConfigError(
+                    f"--quantize {self.quantize} computes in float32 between its int8 products; "
+                    f"--dtype {self.dtype} cannot be combined with it (use auto or float32)"
+                )
+            if self.device.startswith("cuda"):
+                raise ConfigError(f"--quantize {self.quantize} runs on the CPU (--device cpu)")
         if self.max_batch_tokens < 0:
             raise ConfigError(
                 f"--max-batch-tokens must not be negative, got {self.max_batch_tokens}"
@@ -241,6 +259,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--port", type=int, help="gRPC port (default 50051)")
     add("--device", help="auto | cpu | cuda | cuda:N (default auto)")
     add("--dtype", help="auto | float32 | bfloat16 | float16 (default auto)")
+    add(
+        "--quantize",
+        help="none | int8: CPU encoders on int8 weights, gated by accuracy at load (default none)",
+    )
     add(
         "--max-batch-tokens",
         type=int,

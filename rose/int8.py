@@ -1,0 +1,292 @@
+"""Reduced-precision CPU encoders: int8 linear layers, and the accuracy gate every reduced
+mode (``--quantize int8``, ``--dtype bfloat16`` / ``float16`` on CPU) passes at load.
+
+int8 scheme: the encoder's linear layers (not the classification / masked-LM / BGE-M3 heads)
+that keep or widen their width (BERT: the fused QKV, the attention output, the MLP's up
+projection) hold int8 weights with one symmetric scale per output channel
+(``scale = max|w_row| / 127``); activations are quantized to uint8 at run time by PyTorch's
+dynamic quantized linear (``torch.ops.quantized.linear_dynamic``: FBGEMM or oneDNN under the
+``x86`` engine, VNNI int8 dot products), one scale and zero point per call over the whole
+input (the kernel's granularity: per tensor, so one ragged batch shares it). On CPUs without
+VNNI the activations use 7 bits (``reduce_range``) so the non-VNNI kernel's 16-bit pair sums
+cannot saturate. Contracting layers (``in_features > out_features``: the MLP's down
+projection, whose inputs are the activation's outputs with a few outlier channels) run in
+bf16 on oneDNN-packed weights instead (fp32 where the CPU lacks AVX-512 bf16): with them in
+int8 too, multilingual-e5-small's worst row fell to cosine 0.989 on a long passage, against
+0.9986 so. Results and everything between the products (attention, norms, residuals) stay
+float32.
+
+Accuracy gate: `check_accuracy` runs the model's check inputs (`CHECK_TEXTS`, real
+multilingual sentences tokenized by the directory's tokenizer.json, alone and joined into
+~70-420-token rows) through the reduced engine and an fp32 engine of the same directory and
+compares them row by row: pooled embeddings for embedding models, the mean of the final
+hidden states for cross-encoders (whose one or few logits have no direction to compare).
+The mode is refused (EngineError naming the mode, the measured minimum cosine and the bound)
+when any row's cosine falls below `MIN_COSINE`. `measure_modes` gives every mode's minimum
+cosine for ``trellis models verify``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from rose.errors import EngineError
+
+if TYPE_CHECKING:
+    from rose.batch import RaggedBatch
+    from rose.config import EngineConfig
+    from rose.engine import Engine
+
+__all__ = [
+    "CHECK_TEXTS",
+    "MIN_COSINE",
+    "MODES",
+    "Int8Linear",
+    "check_accuracy",
+    "check_batch",
+    "int8_available",
+    "measure_modes",
+    "quantize_int8",
+    "reduced_mode",
+    "row_cosines",
+]
+
+# The lowest per-row cosine to fp32 each reduced mode may have on the check inputs.
+MIN_COSINE: dict[str, float] = {"bfloat16": 0.999, "float16": 0.999, "int8": 0.99}
+# Modes `measure_modes` reports, as (label, EngineConfig overrides).
+MODES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("float32", {"dtype": "float32"}),
+    ("bfloat16", {"dtype": "bfloat16"}),
+    ("int8", {"dtype": "float32", "quantize": "int8"}),
+)
+
+# Real sentences in 14 languages (news, notices, science, everyday life): the gate's check
+# set. Not the benchmark's texts, so a mode is not tuned on what it is measured on.
+CHECK_TEXTS: tuple[str, ...] = (
+    "The city council voted to extend the night bus service to the airport from next spring.",
+    "Researchers found that the coral recovered faster in reefs where fishing had been limited.",
+    "Please return all borrowed equipment to the front desk before the end of the month.",
+    "query: how long does it take to boil an egg",
+    "passage: A soft-boiled egg needs about six minutes in boiling water; a hard one ten.",
+    "Le gouvernement a présenté un plan pour rénover les écoles construites avant 1970.",
+    "Les pêcheurs du port signalent une baisse des prises de sardines depuis trois ans.",
+    "Die Stadtwerke erhöhen die Strompreise ab Januar um durchschnittlich vier Prozent.",
+    "Im Herbst sammeln die Kinder Kastanien und basteln daraus kleine Figuren.",
+    "El hospital inauguró una unidad de cuidados paliativos con doce camas nuevas.",
+    "Los agricultores esperan que las lluvias de marzo salven la cosecha de trigo.",
+    "La mostra raccoglie oltre duecento fotografie scattate durante gli anni Cinquanta.",
+    "O festival de cinema exibirá filmes restaurados do início do século passado.",
+    "De gemeente plant duizend nieuwe bomen langs de drukste straten van het centrum.",
+    "Власти города пообещали отремонтировать все детские площадки до конца лета.",
+    "Врачи рекомендуют делать перерыв каждые полчаса при работе за компьютером.",
+    "東京の美術館では、江戸時代の浮世絵を集めた特別展が開かれている。",
+    "この地域では、冬になると多くの渡り鳥が湖に集まる。",
+    "新的高速公路通车后，两座城市之间的行车时间缩短了一半。",
+    "图书馆每周六上午为儿童举办免费的故事会。",
+    "정부는 내년부터 대중교통 요금을 동결하기로 결정했다.",
+    "يعمل الباحثون على تطوير لقاح جديد ضد الإنفلونزا الموسمية.",
+    "नई रेल लाइन से गांवों के लोगों को शहर पहुंचने में आसानी होगी।",
+    "Mahakama imeamuru serikali kulipa fidia kwa wakulima walioathirika na mafuriko.",
+)
+
+
+def reduced_mode(config: EngineConfig) -> str | None:
+    """The reduced CPU mode `config` asks for ("int8", "bfloat16", "float16"), or None for
+    fp32 and for GPUs (whose bf16 default is not gated)."""
+    if config.is_cuda:
+        return None
+    if config.quantize is not None:
+        return config.quantize
+    dtype = config.resolved_dtype
+    return None if dtype == "float32" else dtype
+
+
+# -- int8 layers -----------------------------------------------------------------------------
+
+
+def int8_available() -> bool:
+    """True when this PyTorch has the dynamic quantized linear and an x86 int8 engine."""
+    return hasattr(torch.ops.quantized, "linear_dynamic") and bool(_engine())
+
+
+def _engine() -> str:
+    engines = torch.backends.quantized.supported_engines
+    return next((e for e in ("x86", "fbgemm", "onednn") if e in engines), "")
+
+
+@contextlib.contextmanager
+def _quantized_engine() -> Iterator[None]:
+    """Prepack under the x86 engine (packed weights remember their kernel), then restore
+    the process's setting."""
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = _engine()
+    try:
+        with warnings.catch_warnings():
+            # quantize_per_channel's qint8 tensors are deprecated as a user-facing type;
+            # here one only feeds linear_prepack, which still takes nothing else.
+            warnings.simplefilter("ignore", UserWarning)
+            yield
+    finally:
+        torch.backends.quantized.engine = before
+
+
+class Int8Linear(nn.Module):
+    """``y = x @ W.T + b`` for fp32 x ``[..., in_features]``: W int8 per output channel,
+    x quantized per call (see the module docstring); returns fp32 ``[..., out_features]``."""
+
+    activation = "none"  # no fused activation: the model applies its own (`MLP.act_fused`)
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()  # [out, in]
+        if weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"Int8Linear needs a 2-d CPU weight, got {tuple(weight.shape)}")
+        self.out_features, self.in_features = weight.shape
+        scales = weight_scales(weight)  # [out]
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        with _quantized_engine():
+            q = torch.quantize_per_channel(
+                weight,
+                scales.double(),
+                torch.zeros(self.out_features, dtype=torch.long),
+                0,
+                torch.qint8,
+            )
+            self._packed = torch.ops.quantized.linear_prepack(q, bias)
+        self.scales = scales
+        self.bias = bias
+        self.reduce_range = not getattr(torch.cpu, "_is_vnni_supported", lambda: False)()
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight ``[out, in]`` the products use (fp32)."""
+        q, _ = torch.ops.quantized.linear_unpack(self._packed)
+        return q.dequantize()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.quantized.linear_dynamic(  # [rows, out]
+            x.reshape(-1, self.in_features).float(), self._packed, self.reduce_range
+        )
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def weight_scales(weight: torch.Tensor) -> torch.Tensor:
+    """Symmetric per-output-channel scales ``max|w_row| / 127`` ([out] fp32)."""
+    return (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
+
+
+def quantize_int8(module: nn.Module) -> int:
+    """Apply the int8 scheme (module docstring) to every ``nn.Linear`` under `module`, in
+    place: `Int8Linear` for layers with ``in_features <= out_features``, a bf16
+    `rose.packed.PackedLinear` for contracting ones (left as they are, for fp32 packing, on
+    CPUs without AVX-512 bf16). Returns how many became int8 (EngineError when this PyTorch
+    has no int8 CPU kernel)."""
+    from rose.packed import PackedLinear, can_pack
+
+    if not int8_available():
+        raise EngineError(
+            "EngineConfig.quantize='int8' needs PyTorch's dynamic quantized linear with an "
+            f"x86/fbgemm/onednn engine; this build has {torch.backends.quantized.supported_engines}"
+        )
+    bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    swapped = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            if child.in_features <= child.out_features:
+                setattr(parent, name, Int8Linear(child))
+                swapped += 1
+            elif bf16 and can_pack(child.weight):
+                setattr(parent, name, PackedLinear(child.to(torch.bfloat16), batch_hint=512))
+    return swapped
+
+
+# -- accuracy gate ---------------------------------------------------------------------------
+
+
+def check_batch(model_dir: Path, vocab_size: int, max_tokens: int) -> RaggedBatch:
+    """The check inputs as one batch: each of `CHECK_TEXTS` alone, then groups of them joined
+    into longer rows (~70-420 tokens for XLM-R), tokenized by ``model_dir/tokenizer.json`` and cut to
+    `max_tokens`. A directory without a tokenizer (or whose ids exceed the vocabulary: tiny
+    test models) gets seeded random ids of the same lengths instead."""
+    from rose.batch import RaggedBatch
+
+    texts = list(CHECK_TEXTS)
+    for size in (4, 8, len(CHECK_TEXTS)):
+        texts += [" ".join(CHECK_TEXTS[i : i + size]) for i in range(0, len(CHECK_TEXTS), size)]
+    rows: list[list[int]] = []
+    path = model_dir / "tokenizer.json"
+    if path.exists():
+        import tokenizers
+
+        tok = tokenizers.Tokenizer.from_file(str(path))
+        tok.no_truncation()
+        tok.no_padding()
+        rows = [e.ids for e in tok.encode_batch(texts)]
+    if not rows or max(max(r) for r in rows) >= vocab_size:
+        rng = np.random.default_rng(0)
+        lengths = [len(t.encode()) // 4 + 2 for t in texts]
+        rows = [rng.integers(0, vocab_size, n).tolist() for n in lengths]
+    rows = [r[: max(1, max_tokens)] for r in rows]
+    return RaggedBatch.from_lists(rows)
+
+
+def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine of each row of `a` [N, D] with the same row of `b` (float64)."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    norms = np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1)
+    return (a * b).sum(-1) / np.maximum(norms, 1e-30)
+
+
+def _compare(engine: Engine, reference: Engine, model_dir: Path) -> float:
+    info = reference.info
+    batch = check_batch(model_dir, info.vocab_size, info.max_input_tokens)
+    return float(row_cosines(engine.check_rows(batch), reference.check_rows(batch)).min())
+
+
+def check_accuracy(engine: Engine, model_dir: Path, mode: str) -> float:
+    """Refuse `engine` (loaded in reduced `mode`) unless every check row's cosine to an fp32
+    engine of the same directory is at least ``MIN_COSINE[mode]``; returns the minimum."""
+    from rose.engine import Engine
+
+    reference = Engine.load(model_dir, _fp32(engine.config))
+    worst = _compare(engine, reference, model_dir)
+    bound = MIN_COSINE[mode]
+    if not worst >= bound:
+        raise EngineError(
+            f"{model_dir.name}: {mode} mode refused by the accuracy gate: minimum per-row "
+            f"cosine to float32 on the check set is {worst:.6f}, below the bound {bound}"
+        )
+    return worst
+
+
+def _fp32(config: EngineConfig) -> EngineConfig:
+    return dataclasses.replace(config, dtype="float32", quantize=None, accuracy_gate=False)
+
+
+def measure_modes(model_dir: Path, config: EngineConfig | None = None) -> dict[str, float]:
+    """Every mode of `MODES` → its minimum per-row cosine to fp32 on the check set (CPU,
+    gate off, so a failing mode is measured rather than refused)."""
+    from rose.config import EngineConfig
+    from rose.engine import Engine
+
+    base = _fp32(config or EngineConfig(device="cpu"))
+    reference = Engine.load(model_dir, base)
+    found = {}
+    for label, overrides in MODES:
+        engine = Engine.load(model_dir, dataclasses.replace(base, **overrides))
+        found[label] = _compare(engine, reference, model_dir)
+    return found

@@ -1,0 +1,268 @@
+"""Reduced-precision CPU modes (`rose.int8`): ``--dtype bfloat16`` and ``--quantize int8``.
+
+Expected values come from the reference libraries in fp32: sentence-transformers on
+multilingual-e5-small (real weights, real multilingual texts that are not the gate's check
+set) and transformers on tiny random BERT / XLM-R encoders and cross-encoders. Bounds: per-row
+cosine to fp32 >= 0.999 (bf16) and >= 0.99 (int8), the gate's own bounds; cross-encoder
+logits within 5% of the fp32 logits' spread (int8) and 1% (bf16).
+
+The gate is shown refusing a deliberately broken int8 calibration (weight scales 1/16 of the
+right ones, so weights clip) both in process and as a real Tulip process that exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from rose import Engine, EngineConfig, EngineError, RaggedBatch
+from rose.int8 import CHECK_TEXTS, MIN_COSINE, Int8Linear, measure_modes, row_cosines
+
+TEXTS = [
+    "query: which river flows through Vienna",
+    "passage: The Danube flows through Vienna, Bratislava, Budapest and Belgrade.",
+    "query: wie lange dauert die Fahrt nach Salzburg",
+    "passage: Der Zug von Wien nach Salzburg braucht etwa zweieinhalb Stunden.",
+    "passage: Les abeilles communiquent la position des fleurs par une danse en huit.",
+    "passage: El volcán entró en erupción después de dos siglos de inactividad.",
+    "passage: Программа обучения рассчитана на два года и включает летнюю практику.",
+    "passage: 駅前の商店街では毎年七月に夏祭りが開かれる。",
+    "passage: 这座桥全长三公里，是该地区最长的跨海大桥。",
+    "passage: "
+    + " ".join(
+        [
+            "The museum's new wing holds instruments used by eighteenth-century astronomers,",
+            "including a brass telescope, several sextants and a clock that kept time for",
+            "the city's observatory for more than a hundred years before it was replaced.",
+        ]
+        * 4
+    ),
+]
+VOCAB = 120
+
+
+def _sentence_transformers(path: Path, texts: list[str]) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(path), device="cpu")
+    return st.encode(texts, convert_to_numpy=True, normalize_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def e5_reference(e5_dir: Path) -> tuple[list[list[int]], np.ndarray]:
+    tok = transformers.AutoTokenizer.from_pretrained(e5_dir)
+    ids = tok(TEXTS, truncation=True, max_length=512)["input_ids"]
+    return ids, _sentence_transformers(e5_dir, TEXTS)
+
+
+@pytest.mark.parametrize(
+    ("mode", "overrides"),
+    [("bfloat16", {"dtype": "bfloat16"}), ("int8", {"quantize": "int8"})],
+)
+def test_e5_reduced_modes_match_sentence_transformers(
+    e5_dir: Path, e5_reference: tuple[list[list[int]], np.ndarray], mode: str, overrides: dict
+) -> None:
+    ids, expected = e5_reference
+    engine = Engine.load(e5_dir, EngineConfig(device="cpu", **overrides))
+    assert engine.info.dtype == mode
+    got = engine.step(RaggedBatch.from_lists(ids)).numpy()
+    cos = row_cosines(got, expected)
+    assert cos.min() >= MIN_COSINE[mode], cos
+    # rows alone agree with the batch (int8 quantizes activations per call)
+    alone = np.stack([engine.step(RaggedBatch.from_lists([r])).numpy()[0] for r in ids])
+    assert row_cosines(alone, expected).min() >= MIN_COSINE[mode]
+
+
+def test_int8_swaps_only_the_encoder_linears(e5_dir: Path) -> None:
+    engine = Engine.load(e5_dir, EngineConfig(device="cpu", quantize="int8", accuracy_gate=False))
+    model = engine._model
+    for layer in model.encoder.layers:
+        for linear in (layer.attention.qkv, layer.attention.out, layer.mlp.up):
+            assert isinstance(linear, Int8Linear)
+        # the contracting down projection runs in bf16 where the CPU has it
+        assert not isinstance(layer.mlp.down, Int8Linear | torch.nn.Linear)
+        assert layer.mlp.down.weight.dtype == torch.bfloat16
+        assert not layer.mlp.act_fused  # the model applies GELU after the int8 up projection
+
+
+def test_measure_modes_reports_every_mode(e5_dir: Path) -> None:
+    found = measure_modes(e5_dir)
+    assert set(found) == {"float32", "bfloat16", "int8"}
+    assert found["float32"] >= 0.99999
+    assert found["bfloat16"] >= MIN_COSINE["bfloat16"]
+    assert MIN_COSINE["int8"] <= found["int8"] < found["bfloat16"]
+
+
+def _broken_scales(weight: torch.Tensor) -> torch.Tensor:
+    """A wrong calibration: scales 16x too small, so most large weights clip at +-127."""
+    return (weight.abs().amax(dim=1) / 127 / 16).clamp(min=1e-12)
+
+
+def test_gate_refuses_a_broken_int8_calibration(
+    e5_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("rose.int8.weight_scales", _broken_scales)
+    with pytest.raises(EngineError) as err:
+        Engine.load(e5_dir, EngineConfig(device="cpu", quantize="int8"))
+    message = str(err.value)
+    assert "int8 mode refused by the accuracy gate" in message
+    assert f"below the bound {MIN_COSINE['int8']}" in message
+    measured = float(message.split("is ", 1)[1].split(",")[0])
+    assert measured < MIN_COSINE["int8"]
+    # the same broken mode loads with the gate off, and is measurably wrong
+    engine = Engine.load(e5_dir, EngineConfig(device="cpu", quantize="int8", accuracy_gate=False))
+    reference = Engine.load(e5_dir, EngineConfig(device="cpu"))
+    batch = RaggedBatch.from_lists([[0, 6, 7, 8, 2]] * 2)
+    assert row_cosines(engine.check_rows(batch), reference.check_rows(batch)).min() < 0.99
+
+
+def test_tulip_exits_naming_the_refused_mode(e5_dir: Path, tmp_path: Path) -> None:
+    """A real Tulip process with the broken calibration injected exits non-zero and says
+    which mode, what cosine and which bound."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import rose.int8
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from test_cpu_precision import _broken_scales
+        rose.int8.weight_scales = _broken_scales
+        from tulip.__main__ import main
+        sys.exit(main(["--model", {str(e5_dir)!r}, "--device", "cpu", "--quantize", "int8",
+                       "--threads", "1", "--port", "0", "--metrics-port", "0"]))
+        """
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode != 0
+    assert "int8 mode refused by the accuracy gate" in done.stderr, done.stderr[-3000:]
+    assert "below the bound 0.99" in done.stderr
+
+
+def test_check_set_is_real_text_and_tokenized(e5_dir: Path) -> None:
+    from rose.int8 import check_batch
+
+    batch = check_batch(e5_dir, 250002, 512)
+    tok = transformers.AutoTokenizer.from_pretrained(e5_dir)
+    first = batch.input_ids[: batch.cu_seqlens[1]].tolist()
+    assert first == tok(CHECK_TEXTS[0])["input_ids"]
+    lengths = np.diff(batch.cu_seqlens)
+    assert lengths.max() >= 400 and lengths.min() >= 5  # the joined rows are long
+
+
+# -- tiny random BERT / XLM-R against transformers fp32 ---------------------------------------
+
+
+def _bert(**extra: object) -> transformers.BertConfig:
+    return transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=96,
+        **extra,
+    )
+
+
+def _xlmr(**extra: object) -> transformers.XLMRobertaConfig:
+    return transformers.XLMRobertaConfig(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        intermediate_size=80,
+        max_position_embeddings=98,
+        type_vocab_size=1,
+        pad_token_id=1,
+        hidden_act="gelu_new",
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
+    torch.manual_seed(25)
+    root = tmp_path_factory.mktemp("tiny-precision")
+    built = {
+        "bert": transformers.BertModel(_bert(), add_pooling_layer=False),
+        "xlmr": transformers.XLMRobertaModel(_xlmr(), add_pooling_layer=False),
+        "bert-ce": transformers.BertForSequenceClassification(_bert(num_labels=3)),
+        "xlmr-ce": transformers.XLMRobertaForSequenceClassification(_xlmr(num_labels=1)),
+    }
+    out = {}
+    for name, model in built.items():
+        model.eval().save_pretrained(root / name)
+        out[name] = (model, root / name)
+    return out
+
+
+def _rows(seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[0, *rng.integers(3, VOCAB, n).tolist(), 2] for n in (3, 17, 40, 60, 9)]
+
+
+def _transformers(model: torch.nn.Module, rows: list[list[int]]) -> np.ndarray:
+    """Logits of a classifier, else the mean last hidden state, one row at a time."""
+    out = []
+    with torch.inference_mode():
+        for r in rows:
+            ids = torch.tensor([r])
+            result = model(input_ids=ids)
+            if hasattr(result, "logits"):
+                out.append(result.logits[0].numpy())
+            else:
+                out.append(result.last_hidden_state[0].mean(0).numpy())
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("name", ["bert", "xlmr", "bert-ce", "xlmr-ce"])
+@pytest.mark.parametrize(
+    ("mode", "overrides"), [("bfloat16", {"dtype": "bfloat16"}), ("int8", {"quantize": "int8"})]
+)
+def test_tiny_models_match_transformers(tiny, name: str, mode: str, overrides: dict) -> None:
+    model, path = tiny[name]
+    rows = _rows(7)
+    expected = _transformers(model, rows)
+    engine = Engine.load(path, EngineConfig(device="cpu", **overrides))
+    got = engine.step(RaggedBatch.from_lists(rows)).numpy()  # mean pooling: no modules.json
+    if name.endswith("ce"):
+        spread = expected.std() + np.abs(expected).mean()
+        tol = 0.05 if mode == "int8" else 0.01
+        np.testing.assert_allclose(got, expected, atol=tol * spread, rtol=0)
+    else:
+        assert row_cosines(got, expected).min() >= MIN_COSINE[mode]
+
+
+def test_config_validation() -> None:
+    with pytest.raises(EngineError, match="quantize must be None or one of"):
+        EngineConfig(quantize="int4")
+    with pytest.raises(EngineError, match="cannot be combined"):
+        EngineConfig(quantize="int8", dtype="bfloat16")
+    with pytest.raises(EngineError, match="CPU only"):
+        EngineConfig(device="cuda", quantize="int8")
+    with pytest.raises(EngineError, match="accuracy_gate must be a boolean"):
+        EngineConfig(accuracy_gate="yes")  # type: ignore[arg-type]
+
+
+def test_tulip_quantize_flag() -> None:
+    from tulip.config import ConfigError, TulipConfig
+
+    assert TulipConfig.from_args(["--model", "m"]).quantize == "none"
+    assert TulipConfig.from_args(["--model", "m", "--quantize", "int8"]).quantize == "int8"
+    assert TulipConfig.from_args(["--model", "m"], {"TULIP_QUANTIZE": "int8"}).quantize == "int8"
+    with pytest.raises(ConfigError, match="--quantize must be one of none, int8"):
+        TulipConfig.from_args(["--model", "m", "--quantize", "int4"])
+    with pytest.raises(ConfigError, match="--dtype bfloat16 cannot be combined"):
+        TulipConfig.from_args(["--model", "m", "--quantize", "int8", "--dtype", "bfloat16"])
+    with pytest.raises(ConfigError, match="runs on the CPU"):
+        TulipConfig.from_args(["--model", "m", "--quantize", "int8", "--device", "cuda"])
