@@ -1,0 +1,137 @@
+"""Structured output: token masks that keep a generation inside a JSON grammar.
+
+A request with a response format (`JsonFormat`: any JSON object, or one JSON Schema) gets a
+`GrammarState`. Before a token is chosen at a position, the state sets the logits of every
+token the grammar forbids there to -inf; once chosen, the token advances the state. Masking
+happens on the logits, before `rose.sampling.token_probs`, so greedy argmax, sampling and
+the speculative acceptance rules all see the constrained distribution, and speculation stays
+exact with respect to it.
+
+Speculation: a verification pass has logits for the positions after 0, 1, ..., k draft
+tokens. `GrammarState.mask_rows` masks each row with the state the grammar would be in after
+the drafts before it, by advancing through the drafts and rolling back; a draft the grammar
+forbids ends the valid rows (the target's masked distribution gives that draft probability
+0, so it is never accepted, and nothing after it is either).
+
+Engine: xgrammar (PyPI), chosen by measurement (`python -m bench grammar`,
+bench/results/grammar.md): on SmolLM2's 49,152-token vocabulary its mask + advance costs
+4-9 us per token at the median and under 40 us at p99, llguidance's 15-20 us and 130-330 us.
+Invariant: a state's position is the request's emitted tokens; only
+`accept` moves it, and `mask_rows` returns it where it found it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["GrammarError", "GrammarState", "Grammars", "JsonFormat"]
+
+
+class GrammarError(ValueError):
+    """A response format that cannot be compiled (the message says why)."""
+
+
+@dataclass(frozen=True)
+class JsonFormat:
+    """OpenAI's ``response_format``: ``json_object`` (``schema`` None: any JSON object) or
+    ``json_schema`` (``schema``: the schema as JSON text)."""
+
+    schema: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.schema is not None:
+            try:
+                parsed = json.loads(self.schema)
+            except ValueError as exc:
+                raise GrammarError(f"json_schema: not valid JSON ({exc})") from None
+            if not isinstance(parsed, dict):
+                raise GrammarError("json_schema: a JSON Schema is an object")
+
+
+class Grammars:
+    """Compiles response formats for one model's tokenizer; one per served generator.
+
+    tokenizer_dir: the model directory (its Hugging Face tokenizer files). vocab_size: the
+    width of the model's logits (may exceed the tokenizer's). stop_ids: the tokens that end a
+    generation (EOS); a finished grammar allows only these.
+    """
+
+    def __init__(self, tokenizer_dir: str | Path, vocab_size: int, stop_ids: Sequence[int]):
+        import xgrammar
+        from transformers import AutoTokenizer
+
+        self._xgr = xgrammar
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        info = xgrammar.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids)
+        )
+        self.vocab_size = vocab_size
+        self._compiler = xgrammar.GrammarCompiler(info)  # caches compiled grammars itself
+        self._lock = threading.Lock()  # compiles come from Tulip's request threads
+
+    def state(self, fmt: JsonFormat) -> GrammarState:
+        """A fresh state at the start of a generation in ``fmt``; raises `GrammarError`."""
+        try:
+            with self._lock:
+                # json_object is the schema of any object (xgrammar's built-in JSON grammar
+                # would also allow arrays and scalars). Compact JSON, no free whitespace: a
+                # model cannot pad its answer with endless blanks.
+                compiled = self._compiler.compile_json_schema(
+                    fmt.schema or '{"type": "object"}', any_whitespace=False
+                )
+        except RuntimeError as exc:  # xgrammar's C++ errors, e.g. an unsupported keyword
+            reason = str(exc).rpartition("] ")[2].splitlines()[0]
+            raise GrammarError(f"json_schema: {reason}") from None
+        return GrammarState(self._xgr, compiled, self.vocab_size)
+
+
+class GrammarState:
+    """Where one generation stands in its grammar (see the module docstring)."""
+
+    def __init__(self, xgr, compiled, vocab_size: int) -> None:  # type: ignore[no-untyped-def]
+        self._xgr = xgr
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+
+    @property
+    def finished(self) -> bool:
+        """True once the grammar accepted a stop token."""
+        return bool(self._matcher.is_terminated())
+
+    def mask_rows(self, logits: torch.Tensor, drafts: Sequence[int] = ()) -> int:
+        """Mask ``logits [k + 1, V]`` in place: row ``i`` for the position after ``drafts[:i]``.
+
+        Returns how many drafts the grammar allows in a row (rows after the first forbidden
+        draft are left as they are: nothing there can be accepted). The state is unchanged."""
+        advanced = 0
+        for i in range(logits.shape[0]):
+            self._matcher.fill_next_token_bitmask(self._bitmask)
+            self._apply(logits[i : i + 1])
+            if i == len(drafts) or not self._matcher.accept_token(int(drafts[i])):
+                break
+            advanced += 1
+        if advanced:
+            self._matcher.rollback(advanced)
+        return advanced
+
+    def _apply(self, row: torch.Tensor) -> None:
+        """-inf where the bitmask has a 0 bit, in ``row [1, V]``."""
+        if row.device.type == "cpu" and row.dtype == torch.float32 and row.is_contiguous():
+            self._xgr.apply_token_bitmask_inplace(row, self._bitmask)  # its CPU kernel
+            return
+        bits = self._bitmask.to(row.device, non_blocking=True)  # [1, W] int32
+        shifts = torch.arange(32, device=row.device, dtype=torch.int32)
+        allowed = ((bits[..., None] >> shifts) & 1).flatten(1)[:, : row.shape[-1]]  # [1, V]
+        row.masked_fill_(allowed == 0, float("-inf"))
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Advance past tokens the generation emitted (each was allowed by its mask)."""
+        for token in tokens:
+            if not self._matcher.accept_token(int(token)):
+                raise RuntimeError(f"token {token} was emitted against its grammar mask")

@@ -1,0 +1,174 @@
+"""Structured output masks (`rose.grammar`) on SmolLM2's real tokenizer: whatever the logits,
+generation under the masks ends in JSON that `jsonschema` accepts; the masks of a draft pass
+equal the masks of the same tokens fed one by one; a forbidden draft ends the valid rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from rose.grammar import GrammarError, Grammars, JsonFormat
+
+MODEL = "smollm2-135m-instruct"
+VOCAB = 49152
+EOS = 2  # <|im_end|>, what the chat model ends a turn with
+
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 24},
+            "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+            "tags": {"type": "array", "items": {"enum": ["search", "rag", "ml"]}, "maxItems": 3},
+            "score": {"type": "number"},
+        },
+        "required": ["title", "year", "tags", "score"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "boolean"},
+            "sources": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"id": {"type": "integer"}, "quote": {"type": "string"}},
+                    "required": ["id"],
+                    "additionalProperties": False,
+                },
+                "maxItems": 2,
+            },
+        },
+        "required": ["answer", "sources"],
+        "additionalProperties": False,
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def grammars() -> Grammars:
+    from rose.assets import ensure_model
+
+    return Grammars(Path(ensure_model(MODEL)), VOCAB, [EOS])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():  # noqa: ANN201
+    from transformers import AutoTokenizer
+
+    from rose.assets import ensure_model
+
+    return AutoTokenizer.from_pretrained(str(ensure_model(MODEL)))
+
+
+def _generate(
+    grammars: Grammars,
+    fmt: JsonFormat,
+    seed: int,
+    budget: int = 400,
+    bias: torch.Tensor | None = None,
+) -> list[int]:
+    """Sample from random logits (+ ``bias [V]``) under the masks until the grammar accepts
+    EOS."""
+    gen = torch.Generator().manual_seed(seed)
+    state = grammars.state(fmt)
+    out: list[int] = []
+    for _ in range(budget):
+        logits = torch.randn(1, VOCAB, generator=gen) * 4
+        if bias is not None:
+            logits += bias
+        state.mask_rows(logits)
+        token = int(torch.multinomial(logits.softmax(-1), 1, generator=gen))
+        state.accept([token])
+        if token == EOS:
+            assert state.finished
+            return out
+        out.append(token)
+    raise AssertionError(f"no EOS within {budget} tokens")
+
+
+@pytest.mark.parametrize("which", range(len(SCHEMAS)))
+def test_masked_generation_always_validates(grammars: Grammars, tokenizer, which: int) -> None:  # noqa: ANN001
+    schema = SCHEMAS[which]
+    fmt = JsonFormat(json.dumps(schema))
+    for seed in range(6):
+        text = tokenizer.decode(_generate(grammars, fmt, seed))
+        jsonschema.validate(json.loads(text), schema)  # raises if the masks let it stray
+
+
+def test_json_object_gives_an_object(grammars: Grammars, tokenizer) -> None:  # noqa: ANN001
+    # Free-form JSON has unbounded strings: favour tokens that close something, or a random
+    # walk would wander inside a string for thousands of tokens.
+    closes = [any(c in tokenizer.decode([t]) for c in '"]}') for t in range(VOCAB)]
+    bias = torch.tensor(closes, dtype=torch.float32) * 8
+    for seed in range(4):
+        ids = _generate(grammars, JsonFormat(), seed, budget=2000, bias=bias)
+        assert isinstance(json.loads(tokenizer.decode(ids)), dict)
+
+
+def test_draft_rows_equal_one_token_at_a_time(grammars: Grammars, tokenizer) -> None:  # noqa: ANN001
+    fmt = JsonFormat(json.dumps(SCHEMAS[0]))
+    tokens = _generate(grammars, fmt, seed=11)
+    start, drafts = tokens[:5], tokens[5:9]
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(len(drafts) + 1, VOCAB, generator=gen)
+
+    one_by_one = grammars.state(fmt)
+    one_by_one.accept(start)
+    want = logits.clone()
+    for i in range(len(drafts) + 1):
+        one_by_one.mask_rows(want[i : i + 1])
+        if i < len(drafts):
+            one_by_one.accept([drafts[i]])
+
+    state = grammars.state(fmt)
+    state.accept(start)
+    got = logits.clone()
+    assert state.mask_rows(got, drafts) == len(drafts)
+    assert torch.equal(got, want)
+    # The state did not move: the next mask is the one after `start` again.
+    again = logits[:1].clone()
+    state.mask_rows(again)
+    assert torch.equal(again, want[:1])
+    assert (torch.isinf(want) & (want < 0)).any(dim=1).all()  # every row forbids something
+
+
+def test_a_forbidden_draft_ends_the_valid_rows(grammars: Grammars, tokenizer) -> None:  # noqa: ANN001
+    fmt = JsonFormat(json.dumps(SCHEMAS[0]))
+    tokens = _generate(grammars, fmt, seed=12)
+    state = grammars.state(fmt)
+    state.accept(tokens[:3])
+    forbidden = tokenizer("}}}", add_special_tokens=False)["input_ids"][0]
+    drafts = [tokens[3], forbidden, tokens[5]]
+    logits = torch.zeros(4, VOCAB)
+    assert state.mask_rows(logits, drafts) == 1
+    assert logits[1, forbidden] == float("-inf")  # row 1 is masked, and forbids the draft
+    assert torch.equal(logits[2:], torch.zeros(2, VOCAB))  # rows after it are left alone
+    state.accept(tokens[3:6])  # the state still follows the emitted tokens
+
+
+def test_masks_apply_to_bf16_logits_like_fp32(grammars: Grammars) -> None:
+    state = grammars.state(JsonFormat())
+    fp32 = torch.randn(1, VOCAB)
+    bf16 = fp32.to(torch.bfloat16)
+    state.mask_rows(fp32)
+    state.mask_rows(bf16)
+    assert torch.equal(torch.isinf(bf16), torch.isinf(fp32))
+
+
+@pytest.mark.parametrize(
+    ("schema", "said"),
+    [
+        ('{"type": "nonsense"}', "json_schema: "),
+        ("not json", "json_schema: not valid JSON"),
+        ("[1, 2]", "json_schema: a JSON Schema is an object"),
+    ],
+)
+def test_bad_schemas_are_named(grammars: Grammars, schema: str, said: str) -> None:
+    with pytest.raises(GrammarError, match=said):
+        grammars.state(JsonFormat(schema))
