@@ -16,6 +16,7 @@ RUN_MODEL ?= multilingual-e5-small
 PYTEST_ARGS ?=
 INFINITY_VENV ?= $(HOME)/.cache/trellis/bench-venvs/infinity
 INFINITY := $(INFINITY_VENV)/bin/infinity_emb
+BENCH_STAMP := $(VENV)/.trellis-bench-peers
 
 .PHONY: help install models run test test-python test-rust lint fmt bench bench-peers deploy-check protos clean
 
@@ -24,7 +25,7 @@ help:
 	@echo "make test    install and run every test (pytest + cargo test)"
 	@echo "make lint    ruff, cargo fmt --check, cargo clippy -D warnings"
 	@echo "make bench   run the benchmarks (results in bench/results/)"
-	@echo "make bench-peers  install the serving benchmark's peers (Infinity)"
+	@echo "make bench-peers  install the benchmarks' peers (Infinity, ONNX Runtime)"
 	@echo "make deploy-check  render and validate deploy/ (kustomize, compose, hadolint)"
 	@echo "make protos  regenerate the gRPC stubs from protos/"
 	@echo "make clean   remove the virtual environment and build outputs"
@@ -66,7 +67,7 @@ fmt: install
 	$(BIN)/ruff check --fix .
 	cargo fmt --all
 
-bench: models $(INFINITY)
+bench: models $(INFINITY) $(BENCH_STAMP)
 	$(BIN)/python -m bench
 
 # The peers the serving benchmark runs side by side with Trellis, each in a virtual
@@ -76,7 +77,12 @@ $(INFINITY): $(BIN)/python
 	VIRTUAL_ENV=$(INFINITY_VENV) $(UV) pip install --quiet "infinity-emb[server,torch]==0.0.77" \
 		"click==8.1.8"  # infinity's typer CLI fails on click >= 8.2
 
-bench-peers: $(INFINITY)
+# The engine benchmark's peers (ONNX Runtime) run in this environment: the `bench` extra.
+$(BENCH_STAMP): $(BIN)/python pyproject.toml
+	VIRTUAL_ENV=$(abspath $(VENV)) $(UV) pip install --quiet -r pyproject.toml --extra bench
+	touch $@
+
+bench-peers: $(INFINITY) $(BENCH_STAMP)
 
 deploy-check: install
 	$(BIN)/python -m deploy.check

@@ -6,10 +6,19 @@ every system once (interleaved, so machine load hits all alike); tokens/s come f
 median round. Also: per-call overhead of `Engine.step()` at 1 row x 16 tokens, and the SDPA
 strategy sweep behind `rose.attention.sdpa`'s "auto" cost model.
 
-The run fails (exit 1) if ROSE's embeddings differ from sentence-transformers' (cosine
-< 0.9999 on any text), so a fast but wrong engine cannot pass.
+Reduced precision (issue #25): tokens/s at 128 / 512 tokens x 1 / 32 rows for ROSE fp32,
+bf16 and int8 (`rose.int8`) next to sentence-transformers fp32 and ONNX Runtime fp32 / int8
+(the same model exported with torch.onnx, int8 by `quantize_dynamic`; `make bench-peers`
+installs them), and each system's per-row cosine to sentence-transformers fp32 and top-10
+overlap on a query -> passage search over 1,000 real corpus lines (tests/tokenizer_corpus).
+Results: bench/results/engine.md and engine.png; `--quick` (4 rows instead of 32, 100
+passages, one round) checks that the bench works and writes to a temporary directory.
 
-    python -m bench engine [--threads=N] [--texts=N] [--rounds=N] [--batch=N]
+The run fails (exit 1) if ROSE's fp32 embeddings differ from sentence-transformers' (cosine
+< 0.9999 on any text) or a reduced mode misses its bound (0.999 bf16, 0.99 int8), so a fast
+but wrong engine cannot pass.
+
+    python -m bench engine [--threads=N] [--texts=N] [--rounds=N] [--batch=N] [--quick]
 """
 
 from __future__ import annotations
@@ -144,6 +153,356 @@ def _sdpa_sweep() -> list[tuple[int, int, float, float, str, str]]:
     return sweep
 
 
+# -- reduced precision (issue #25) -----------------------------------------------------------
+
+SHAPES = ((128, 1), (128, 32), (512, 1), (512, 32))  # (tokens per row, rows per call)
+QUICK_SHAPES = ((128, 1), (128, 4), (512, 1), (512, 4))
+ROSE_MODES = (
+    ("ROSE fp32", {}),
+    ("ROSE bf16", {"dtype": "bfloat16"}),
+    ("ROSE int8", {"quantize": "int8"}),
+)
+PEERS = ("sentence-transformers fp32", "ONNX Runtime fp32", "ONNX Runtime int8")
+# Per-row cosine to fp32 (sentence-transformers) each ROSE mode must reach, else exit 1.
+MODE_COSINE = {"ROSE fp32": MIN_COSINE, "ROSE bf16": 0.999, "ROSE int8": 0.99}
+MIN_OVERLAP = 0.95  # retrieval top-10 overlap goal
+GOALS = (  # (numerator, denominator, factor) at 32 x 512
+    ("ROSE int8", "ROSE fp32", 2.0),
+    ("ROSE int8", "ONNX Runtime int8", 1.2),
+    ("ROSE bf16", "ROSE fp32", 1.5),
+)
+ONNX_CACHE = Path.home() / ".cache" / "trellis" / "bench" / "onnx"
+PLOT = RESULTS.with_suffix(".png")
+KEPT = ("## Long rows on CPU",)  # hand-measured sections of engine.md the bench keeps
+
+
+def _real_texts(count: int, seed: int) -> list[str]:
+    """`count` distinct sentence-like lines of the tests' multilingual corpus
+    (tests/tokenizer_corpus: fortunes, man pages, CLDR, MIRACL passages; cached after the
+    tests' first build): 80-600 characters, mostly letters, with punctuation."""
+    import random
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tokenizer_corpus import corpus_lines
+
+    seen: set[str] = set()
+    picked = []
+    for line in corpus_lines():
+        text = " ".join(line.split())
+        if (
+            80 <= len(text) <= 600
+            and sum(c.isalpha() for c in text) >= 0.6 * len(text)
+            and any(p in text for p in ".,;!?。，、")
+            and text not in seen
+        ):
+            seen.add(text)
+            picked.append(text)
+    random.Random(seed).shuffle(picked)
+    if len(picked) < count:
+        raise SystemExit(f"the corpus has {len(picked)} usable lines, {count} wanted")
+    return picked[:count]
+
+
+def _rows_of(tokenizer, texts: list[str], length: int, count: int) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """[count, length] ids: <s> + a running stream of the texts' tokens + </s> per row."""
+    stream = [t for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] for t in ids]
+    body = length - 2
+    if len(stream) < body * count:
+        stream = stream * (body * count // max(1, len(stream)) + 1)
+    rows = np.asarray(stream[: body * count], dtype=np.int64).reshape(count, body)
+    bos = np.full((count, 1), tokenizer.cls_token_id, dtype=np.int64)
+    eos = np.full((count, 1), tokenizer.sep_token_id, dtype=np.int64)
+    return np.concatenate([bos, rows, eos], axis=1)
+
+
+def _onnx_models(model_dir: Path) -> tuple[Path, Path, str]:
+    """The model exported with torch.onnx (mean pooling and L2 normalization inside the
+    graph, as sentence-transformers computes them) and its ONNX Runtime dynamic int8
+    quantization (MatMul weights int8 per channel, activations per call); cached by the
+    model's manifest and the library versions. Returns (fp32, int8, versions)."""
+    import hashlib
+
+    import onnx
+    import onnxruntime
+    import torch
+    import transformers
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    manifest = (model_dir / "trellis-asset.json").read_bytes()
+    versions = (
+        f"torch {torch.__version__}, onnx {onnx.__version__}, onnxruntime {onnxruntime.__version__}"
+    )
+    key = hashlib.sha256(manifest + versions.encode()).hexdigest()[:12]
+    root = ONNX_CACHE / f"{model_dir.name}-{key}"
+    fp32, int8 = root / "model.onnx", root / "model-int8.onnx"
+    if fp32.exists() and int8.exists():
+        return fp32, int8, versions
+    root.mkdir(parents=True, exist_ok=True)
+    model = transformers.AutoModel.from_pretrained(model_dir).eval()
+
+    class Pooled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask)[0]
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)  # [B, L, 1]
+            pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # [B, H]
+            return torch.nn.functional.normalize(pooled, dim=-1)
+
+    print("exporting the model to ONNX (cached for later runs)", flush=True)
+    ids = torch.ones(2, 16, dtype=torch.long)
+    axes = {0: "rows", 1: "tokens"}
+    tmp = root / "export.onnx"
+    torch.onnx.export(
+        Pooled(),
+        (ids, torch.ones_like(ids)),
+        str(tmp),
+        dynamo=False,
+        input_names=["input_ids", "attention_mask"],
+        output_names=["embedding"],
+        dynamic_axes={"input_ids": axes, "attention_mask": axes, "embedding": {0: "rows"}},
+        opset_version=17,
+    )
+    quantize_dynamic(
+        str(tmp),
+        str(root / "int8.tmp.onnx"),
+        weight_type=QuantType.QInt8,
+        per_channel=True,
+        op_types_to_quantize=["MatMul"],
+    )
+    (root / "int8.tmp.onnx").replace(int8)
+    tmp.replace(fp32)
+    return fp32, int8, versions
+
+
+def _padded(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = r
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+def _systems(
+    path: Path, threads: int, tokenizer
+) -> tuple[dict[str, Callable[[list[list[int]]], np.ndarray]], str]:  # type: ignore[no-untyped-def]
+    """name → encode(rows of ids) → [B, D] embeddings, for ROSE's modes and the peers."""
+    import onnxruntime
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from rose import Engine, EngineConfig, RaggedBatch
+
+    systems: dict[str, Callable[[list[list[int]]], np.ndarray]] = {}
+    for name, overrides in ROSE_MODES:
+        engine = Engine.load(path, EngineConfig(device="cpu", **overrides))
+
+        def rose(rows: list[list[int]], engine: Engine = engine) -> np.ndarray:
+            return engine.step(RaggedBatch.from_lists(rows)).numpy()
+
+        systems[name] = rose
+    st = SentenceTransformer(str(path), device="cpu")
+    pad = tokenizer.pad_token_id
+
+    def sentence_transformers(rows: list[list[int]]) -> np.ndarray:
+        ids, mask = _padded(rows, pad)
+        with torch.inference_mode():
+            out = st.forward(
+                {"input_ids": torch.from_numpy(ids), "attention_mask": torch.from_numpy(mask)}
+            )
+        return out["sentence_embedding"].numpy()
+
+    systems[PEERS[0]] = sentence_transformers
+    fp32, int8, versions = _onnx_models(path)
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    for name, model in ((PEERS[1], fp32), (PEERS[2], int8)):
+        session = onnxruntime.InferenceSession(
+            str(model), options, providers=["CPUExecutionProvider"]
+        )
+
+        def ort(rows: list[list[int]], session=session) -> np.ndarray:  # type: ignore[no-untyped-def]
+            ids, mask = _padded(rows, pad)
+            return session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+
+        systems[name] = ort
+    return systems, versions
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What the reduced-precision section measured."""
+
+    shapes: tuple[tuple[int, int], ...]
+    tps: dict[str, dict[tuple[int, int], float]]  # system → shape → tokens/s
+    cosines: dict[str, np.ndarray]  # system → per-row cosine to sentence-transformers fp32
+    overlap: dict[str, float]  # system → mean top-10 overlap with sentence-transformers fp32
+    passages: int
+    queries: int
+    rounds: int
+    versions: str
+
+
+def _precision(path: Path, tokenizer, threads: int, quick: bool, rounds: int) -> Precision:  # type: ignore[no-untyped-def]
+    """Tokens/s per (row length, rows) for every system, then accuracy against
+    sentence-transformers fp32 on a query → passage search over real corpus lines."""
+    shapes = QUICK_SHAPES if quick else SHAPES
+    passages_n, queries_n = (100, 20) if quick else (1000, 100)
+    texts = _real_texts(passages_n, seed=25)
+    systems, versions = _systems(path, threads, tokenizer)
+
+    tps: dict[str, dict[tuple[int, int], float]] = {name: {} for name in systems}
+    for length, batch in shapes:
+        rows = _rows_of(tokenizer, texts, length, batch).tolist()
+        calls = max(1, (512 if quick else 4096) // (length * batch))
+        times: dict[str, list[float]] = {name: [] for name in systems}
+        for encode in systems.values():
+            encode(rows)  # warm-up
+        for _ in range(rounds):
+            for name, encode in systems.items():  # interleaved: load hits all alike
+                times[name].append(
+                    _timed(lambda e=encode, r=rows, n=calls: [e(r) for _ in range(n)]) / calls
+                )
+        for name in systems:
+            tps[name][(length, batch)] = length * batch / statistics.median(times[name])
+        print(
+            f"{length} x {batch}: "
+            + ", ".join(f"{k} {v[(length, batch)]:.0f}" for k, v in tps.items()),
+            flush=True,
+        )
+
+    # accuracy: every corpus line a passage; queries are the opening words of an evenly
+    # spread sample of them, so each query has its passage among many unrelated ones
+    passages = [f"passage: {t}" for t in texts]
+    asked = np.linspace(0, passages_n - 1, queries_n).astype(int)
+    queries = [f"query: {' '.join(texts[i].split()[:8])}" for i in asked]
+    encoded = tokenizer(passages + queries, truncation=True, max_length=512)["input_ids"]
+    out: dict[str, np.ndarray] = {}
+    for name, encode in systems.items():
+        parts = [encode(encoded[i : i + 32]) for i in range(0, len(encoded), 32)]
+        vectors = np.concatenate(parts).astype(np.float64)
+        out[name] = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    reference = out[PEERS[0]]
+    cosines = {name: (v * reference).sum(1) for name, v in out.items()}
+
+    def top10(v: np.ndarray) -> np.ndarray:
+        scores = v[passages_n:] @ v[:passages_n].T  # [Q, P]
+        return np.argsort(-scores, axis=1)[:, :10]
+
+    want = top10(reference)
+    overlap = {
+        name: float(
+            np.mean([len(set(a) & set(b)) / 10 for a, b in zip(top10(v), want, strict=True)])
+        )
+        for name, v in out.items()
+    }
+    return Precision(shapes, tps, cosines, overlap, passages_n, queries_n, rounds, versions)
+
+
+def _precision_lines(p: Precision) -> tuple[list[str], bool]:
+    """The section's markdown, and whether every ROSE mode met its cosine bound."""
+    big = p.shapes[-1]
+    head = " | ".join(f"{n} tok x {b}" for n, b in p.shapes)
+    lines = [
+        "## Reduced precision on CPU (issue #25): ROSE fp32 / bf16 / int8 vs peers",
+        "",
+        "Token ids given to every system (no tokenization in the timings); rows of exactly "
+        "that many tokens cut from a stream of real corpus lines, so no padding anywhere; "
+        f"{p.rounds} interleaved rounds, median; tokens/s.",
+        "ROSE bf16: weights, activations and attention in bf16 (oneDNN packed linears). "
+        "ROSE int8: `rose.int8` (QKV, attention output and MLP up projection int8 per output "
+        "channel with dynamic per-call activations; MLP down projection bf16). "
+        "sentence-transformers: its modules' forward on the ids (fp32). ONNX Runtime: the "
+        "model exported with `torch.onnx` (mean pooling + normalization in the graph), "
+        "default session optimizations; int8 = `onnxruntime.quantization.quantize_dynamic` "
+        "(MatMul weights int8 per channel).",
+        "",
+        f"| system | {head} |",
+        "|---|" + "---:|" * len(p.shapes),
+    ]
+    for name, by_shape in p.tps.items():
+        lines.append(f"| {name} | " + " | ".join(f"{by_shape[s]:.0f}" for s in p.shapes) + " |")
+    lines += ["", f"Goals at {big[1]} x {big[0]} tokens:", ""]
+    for num, den, factor in GOALS:
+        ratio = p.tps[num][big] / p.tps[den][big]
+        verdict = "met" if ratio >= factor else "NOT met"
+        lines.append(f"- {num} ÷ {den}: {ratio:.2f}x (goal >= {factor}x): **{verdict}**")
+    lines += [
+        "",
+        f"### Accuracy against sentence-transformers fp32 ({p.passages} corpus lines as "
+        f"passages, {p.queries} queries made of the first 8 words of {p.queries} of them; "
+        "per-row cosine over passages and queries; top-10 overlap of query → passage search)",
+        "",
+        "| system | min cosine | p1 cosine | mean cosine | bound | top-10 overlap |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    ok = True
+    for name, cos in p.cosines.items():
+        bound = MODE_COSINE.get(name)
+        if bound is not None and cos.min() < bound:
+            ok = False
+        mark = "" if bound is None else f"{bound} ({'ok' if cos.min() >= bound else 'MISSED'})"
+        lines.append(
+            f"| {name} | {cos.min():.5f} | {np.percentile(cos, 1):.5f} | {cos.mean():.5f} | "
+            f"{mark} | {p.overlap[name]:.3f} |"
+        )
+    missed = [n for n in MODE_COSINE if p.overlap[n] < MIN_OVERLAP]
+    lines += [
+        "",
+        f"Top-10 overlap goal >= {MIN_OVERLAP}: "
+        + ("**met** by every ROSE mode." if not missed else f"**NOT met** by {', '.join(missed)}."),
+        f"Versions: {p.versions}.",
+        "",
+    ]
+    return lines, ok
+
+
+def _plot(p: Precision, where: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (the dev extra has it): no plot")
+        return
+    names = list(p.tps)
+    x = np.arange(len(p.shapes))
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(10, 4.8))
+    for i, name in enumerate(names):
+        ax.bar(
+            x + (i - (len(names) - 1) / 2) * width,
+            [p.tps[name][s] for s in p.shapes],
+            width,
+            label=name,
+        )
+    ax.set_xticks(x, [f"{b} x {n} tokens" for n, b in p.shapes], fontsize=8)
+    ax.set_ylabel("tokens/s (CPU)")
+    ax.set_title(
+        "multilingual-e5-small: ROSE fp32 / bf16 / int8 vs sentence-transformers and ONNX Runtime"
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(where, dpi=110)
+    plt.close(fig)
+
+
+def _kept_sections(path: Path) -> list[str]:
+    """Hand-measured sections of an existing results file (headings in `KEPT`), kept as is."""
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8").splitlines()
+    starts = [i for i, line in enumerate(text) if line.startswith(KEPT)]
+    return text[starts[0] :] if starts else []
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench engine")
     parser.add_argument(
@@ -152,7 +511,23 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--texts", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32, help="rows per batch for every system")
+    parser.add_argument(
+        "--precision-rounds", type=int, default=3, help="rounds of the reduced-precision table"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small run (< 2 min once the ONNX export is cached) that checks the bench works; "
+        "results go to a temporary directory, not bench/results/",
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.texts, args.rounds, args.precision_rounds = 16, 1, 1
+    results = RESULTS
+    if args.quick:
+        import tempfile
+
+        results = Path(tempfile.gettempdir()) / "trellis-bench-engine-quick" / RESULTS.name
 
     import sentence_transformers
     import torch
@@ -254,13 +629,15 @@ def main(argv: list[str]) -> int:
         engine.step(small).wait()
         bare()
     step_s, bare_s = [], []
-    for _ in range(300):
+    for _ in range(50 if args.quick else 300):
         step_s.append(_timed(lambda: engine.step(small).wait()))
         bare_s.append(_timed(bare))
     paired_us = statistics.median(a - b for a, b in zip(step_s, bare_s, strict=True)) * 1e6
     host_s = [_timed(host_side) for _ in range(1000)]
 
     sweep = _sdpa_sweep()
+    precision = _precision(path, tokenizer, args.threads, args.quick, args.precision_rounds)
+    precision_lines, precise = _precision_lines(precision)
 
     load_end = os.getloadavg()[0]
     lines = [
@@ -316,7 +693,14 @@ def main(argv: list[str]) -> int:
         "with other jobs, so absolute numbers are noisy; the interleaved rounds keep the ratios comparable).",
         "",
     ]
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text("\n".join(lines), encoding="utf-8")
+    at = lines.index("## Versions and machine")
+    lines[at:at] = precision_lines
+    if args.quick:
+        lines.insert(1, "\n**--quick run: small, one round, noisy; not a result.**")
+    lines += _kept_sections(RESULTS)
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _plot(precision, results.with_suffix(".png"))
     print("\n".join(lines))
-    return 0 if correct else 1
+    print(f"written: {results} and {results.with_suffix('.png').name}")
+    return 0 if correct and precise else 1
