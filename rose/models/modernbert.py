@@ -196,7 +196,9 @@ def _norm(cfg: ModernBertConfig) -> nn.LayerNorm:
 
 
 class Rotary(nn.Module):
-    """cos, sin [T, D] for row-local positions and one theta (transformers' default RoPE)."""
+    """cos, sin [T, 1, 1, D] in fp32 for row-local positions and one theta (transformers'
+    default RoPE), made once per pass and shared by every layer of the theta's kind; sin has
+    rotate_half's sign folded into its first half (see `_rotate`)."""
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
@@ -208,16 +210,23 @@ class Rotary(nn.Module):
         steps = torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).float()
         inv_freq = 1.0 / (self.theta ** (steps / d))  # [D/2]
         freqs = positions.float().unsqueeze(1) * inv_freq  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos(), emb.sin()
+        cos, sin = freqs.cos(), freqs.sin()
+        cos = torch.cat((cos, cos), dim=-1)  # [T, D]
+        sin = torch.cat((-sin, sin), dim=-1)  # [T, D]
+        return cos[:, None, None], sin[:, None, None]  # [T, 1, 1, D] each
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated by cos, sin [T, D] (halves rotated, in fp32)."""
+    """x [T, n, heads, D] rotated in fp32: x · cos + rotate_half(x) · sin, rotate_half(x) =
+    (-x2, x1). With rotate_half's sign in sin's first half (`Rotary`), each half of the result
+    is one multiply-add of the other half into x · cos, in place: no negated copy and no
+    concatenation."""
     xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)  # each [T, heads, D/2]
-    rotated = torch.cat((-x2, x1), dim=-1)  # [T, heads, D]
-    return (xf * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)).to(x.dtype)
+    half = x.shape[-1] // 2
+    out = xf * cos  # [T, n, heads, D]
+    out[..., :half].addcmul_(xf[..., half:], sin[..., :half])  # x1·cos - x2·sin
+    out[..., half:].addcmul_(xf[..., :half], sin[..., half:])  # x2·cos + x1·sin
+    return out.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -236,8 +245,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv(x).view(tokens, 3, self.num_heads, self.head_dim)  # [T, 3, heads, D]
-        q, k, v = qkv.unbind(1)  # each [T, heads, D]
-        q, k = _rotate(q, *rope), _rotate(k, *rope)
+        # Queries and keys rotated together: one set of elementwise ops for both.
+        q, k = _rotate(qkv[:, :2], *rope).unbind(1)  # each [T, heads, D]
+        v = qkv[:, 2]  # [T, heads, D]
         o = attend(q, k, v, layout, self.head_dim**-0.5, window=self.window)  # [T, heads, D]
         return self.out(o.reshape(tokens, self.num_heads * self.head_dim))  # [T, H]
 
@@ -252,8 +262,9 @@ class GeGLU(nn.Module):
         self.act = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        value, gate = self.up(x).chunk(2, dim=-1)  # each [T, I]
-        return self.down(self.act(value) * gate)  # [T, H]
+        value, gate = self.up(x).chunk(2, dim=-1)  # each [T, I], views of [T, 2I]
+        # The product in place on act's fresh [T, I] output: no second [T, I] tensor.
+        return self.down(self.act(value).mul_(gate))  # [T, H]
 
 
 class Layer(nn.Module):
@@ -271,8 +282,9 @@ class Layer(nn.Module):
         self, x: torch.Tensor, layout: RowLayout, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         h = x if self.attention_norm is None else self.attention_norm(x)
-        x = x + self.attention(h, layout, rope)
-        return x + self.mlp(self.mlp_norm(x))
+        # Residuals added in place into each sublayer's fresh output (x + y == y + x).
+        x = self.attention(h, layout, rope).add_(x)
+        return self.mlp(self.mlp_norm(x)).add_(x)
 
 
 class ModernBertEncoder(nn.Module):
