@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -76,6 +76,11 @@ class Block:
     span: slice
     positions: torch.Tensor  # [L] int64, 0..n-1 within each row
     same_row: torch.Tensor | None  # [L, L] bool; None when the block is a single row
+    # Window masks made by the first layer that needs them and reused by the others of the
+    # pass (a layout lives for one pass): (window, first query, dtype) → additive mask.
+    window_masks: dict[tuple[int, int, torch.dtype], torch.Tensor | None] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @functools.cached_property
     def rel(self) -> torch.Tensor:
@@ -176,16 +181,34 @@ def _attend_windowed_row(
     against the keys at most `window` tokens away (positions run 0..L-1 along the row, so
     key indices and positions agree): memory [block, block + 2·window] per call, not [L, L]."""
     start, end = block.span.start, block.span.stop
-    pos = block.positions  # [L]
     for a in range(start, end, WINDOW_QUERY_BLOCK):
         b = min(a + WINDOW_QUERY_BLOCK, end)
         ka, kb = max(start, a - window), min(end, b + window)
-        rel = pos[a - start : b - start].unsqueeze(1) - pos[ka - start : kb - start].unsqueeze(0)
+        key = (window, a, q.dtype)
+        if key not in block.window_masks:
+            block.window_masks[key] = _window_mask(block, a, b, ka, kb, window, q.dtype)
         o = F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1).unsqueeze(0),  # [1, heads, b - a, D]
             k[ka:kb].transpose(0, 1).unsqueeze(0),  # [1, heads, kb - ka, D]
             v[ka:kb].transpose(0, 1).unsqueeze(0),
-            attn_mask=rel.abs() <= window,  # [b - a, kb - ka] bool
+            attn_mask=block.window_masks[key],  # [b - a, kb - ka] additive, or None
             scale=scale,
         )  # [1, heads, b - a, D]
         out[a:b] = o.squeeze(0).transpose(0, 1)  # [b - a, heads, D]
+
+
+def _window_mask(
+    block: Block, a: int, b: int, ka: int, kb: int, window: int, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """Queries a..b-1 against keys ka..kb-1 of one row: 0 within `window` positions, -inf
+    beyond ([b - a, kb - ka], in the scores' dtype, so SDPA adds it as it is). None when every
+    pair is within the window (a row no longer than the window, or the middle of a long one):
+    no mask lets SDPA take its unmasked kernel."""
+    if max(b - 1 - ka, kb - 1 - a) <= window:
+        return None
+    pos = block.positions  # [L], 0..L-1 along the row
+    start = block.span.start
+    rel = pos[a - start : b - start].unsqueeze(1) - pos[ka - start : kb - start].unsqueeze(0)
+    return torch.zeros(rel.shape, dtype=dtype, device=rel.device).masked_fill_(
+        rel.abs() > window, float("-inf")
+    )
