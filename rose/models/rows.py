@@ -202,8 +202,8 @@ def _window_mask(
 ) -> torch.Tensor | None:
     """Queries a..b-1 against keys ka..kb-1 of one row: 0 within `window` positions, -inf
     beyond ([b - a, kb - ka], in the scores' dtype, so SDPA adds it as it is). None when every
-    pair is within the window (a row no longer than the window, or the middle of a long one):
-    no mask lets SDPA take its unmasked kernel."""
+    pair is within the window (a row of at most window + 1 tokens): no mask lets SDPA take
+    its unmasked kernel."""
     if max(b - 1 - ka, kb - 1 - a) <= window:
         return None
     pos = block.positions  # [L], 0..L-1 along the row
