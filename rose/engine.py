@@ -38,7 +38,7 @@ from rose.heads import (
     splade_max,
     token_rows,
 )
-from rose.int8 import check_accuracy, quantize_int8, reduced_mode
+from rose.int8 import calibrate, check_accuracy, check_batch, quantize_int8, reduced_mode
 from rose.lazy import LazyTensor, RaggedRows, StepOutputs
 from rose.loading import (
     ModelInfo,
@@ -189,9 +189,8 @@ class Engine:
                     f"{path}: EngineConfig.quantize='int8' serves BERT / XLM-R encoders and "
                     f"cross-encoders; not model_type {raw.get('model_type')!r}"
                 )
-            quantize_int8(model.encoder)  # before packing: packing skips the int8 layers
-        if config.packed_weights and device.type == "cpu":
-            model.pack_weights()
+        elif config.packed_weights and device.type == "cpu":
+            model.pack_weights()  # int8: after calibration (`_quantize_int8`)
         max_tokens = cfg.max_input_tokens
         if settings.max_seq_length is not None:
             max_tokens = min(max_tokens, settings.max_seq_length)
@@ -222,6 +221,8 @@ class Engine:
             causal=cfg.causal,
         )
         engine = cls(family, model, info, config, choice.backend, heads=heads, special_ids=special)
+        if config.quantize == "int8":
+            engine._quantize_int8(path)
         mode = reduced_mode(config)
         if mode is not None and config.accuracy_gate:
             worst = check_accuracy(engine, path, mode)  # EngineError below the mode's bound
@@ -250,6 +251,15 @@ class Engine:
         if self._graphs is not None:
             self._graphs.clear()
         self._graphs = GraphManager(capture, self._config.max_graphs, on_evict=self._evict_slot)
+
+    def _quantize_int8(self, path: Path) -> None:
+        """Calibrate the fp32 encoder on the check set, swap in the int8 layers
+        (`rose.int8`), then pack what stays float for oneDNN."""
+        batch = check_batch(path, self._cfg.vocab_size, self._info.max_input_tokens)
+        amax = calibrate(self._model.encoder, lambda: self.check_rows(batch))
+        quantize_int8(self._model.encoder, amax)
+        if self._config.packed_weights:
+            self._model.pack_weights()  # skips the int8 layers
 
     def check_rows(self, batch: RaggedBatch) -> np.ndarray:
         """What the accuracy gate compares (`rose.int8`), float32 [B, D] on the host: the

@@ -87,6 +87,7 @@ def test_int8_swaps_only_the_encoder_linears(e5_dir: Path) -> None:
     for layer in model.encoder.layers:
         for linear in (layer.attention.qkv, layer.attention.out, layer.mlp.up):
             assert isinstance(linear, Int8Linear)
+            assert linear.inv_smooth is not None  # calibrated on the check set
         # the contracting down projection runs in bf16 where the CPU has it
         assert not isinstance(layer.mlp.down, Int8Linear | torch.nn.Linear)
         assert layer.mlp.down.weight.dtype == torch.bfloat16
@@ -266,3 +267,33 @@ def test_tulip_quantize_flag() -> None:
         TulipConfig.from_args(["--model", "m", "--quantize", "int8", "--dtype", "bfloat16"])
     with pytest.raises(ConfigError, match="runs on the CPU"):
         TulipConfig.from_args(["--model", "m", "--quantize", "int8", "--device", "cuda"])
+
+
+def test_models_verify_reports_each_mode(model_path, tmp_path: Path) -> None:  # noqa: ANN001
+    """`trellis models verify` on a copy of a pulled encoder asset prints and records every
+    CPU mode's accuracy; a tokenizer-only asset gets no precision report."""
+    import json
+    import shutil
+
+    from rose.assets.store import MANIFEST, measure_precision
+
+    assert measure_precision(model_path("xlmr-tokenizer")) == []
+    name = "all-minilm-l6-v2"
+    shutil.copytree(model_path(name), tmp_path / name)
+    env = dict(os.environ, TRELLIS_MODELS_DIR=str(tmp_path), OMP_NUM_THREADS="1")
+    trellis = Path(sys.executable).parent / "trellis"
+    done = subprocess.run(
+        [str(trellis), "models", "verify", name],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "float32: min cosine to float32 1.0000" in out or "0.99999" in out, out
+    assert "bfloat16: min cosine to float32 0.999" in out and "(bound 0.999: ok)" in out, out
+    assert "int8: min cosine to float32 0.99" in out and "(bound 0.99: ok)" in out, out
+    recorded = json.loads((tmp_path / name / MANIFEST).read_text())["precision"]
+    assert set(recorded) == {"float32", "bfloat16", "int8"}
+    assert recorded["int8"]["ok"] and recorded["int8"]["min_cosine"] >= MIN_COSINE["int8"]

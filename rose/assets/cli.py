@@ -9,7 +9,13 @@ from collections.abc import Callable
 from rose.assets.config import AssetsConfig
 from rose.assets.errors import AssetError
 from rose.assets.registry import REGISTRY
-from rose.assets.store import ensure_model, status, verify_model
+from rose.assets.store import (
+    PrecisionReport,
+    ensure_model,
+    read_manifest,
+    status,
+    verify_model,
+)
 
 __all__ = ["add_parser"]
 
@@ -26,7 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     listing = commands.add_parser("list", help="show the known assets and their state")
     listing.set_defaults(handler=_list)
 
-    verify = commands.add_parser("verify", help="re-run the verification of pulled assets")
+    verify = commands.add_parser(
+        "verify",
+        help="re-run the verification of pulled assets; for encoders, also each CPU mode's "
+        "accuracy (float32 / bfloat16 / int8 min cosine to float32)",
+    )
     verify.add_argument("names", nargs="+", metavar="NAME", choices=list(REGISTRY))
     verify.set_defaults(handler=_verify)
 
@@ -44,7 +54,11 @@ def _pull(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     def action(config: AssetsConfig, name: str) -> None:
-        print(verify_model(name, config, _log))
+        path = verify_model(name, config, _log)
+        print(path)
+        for mode, found in (read_manifest(path) or {}).get("precision", {}).items():
+            report = PrecisionReport(mode, found["min_cosine"], found["bound"], found["error"])
+            print(f"  {report.line()}")
 
     return _each(args.names, action)
 

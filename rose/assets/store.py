@@ -35,7 +35,9 @@ from rose.assets.registry import Asset, Log, get_asset
 __all__ = [
     "MANIFEST",
     "AssetStatus",
+    "PrecisionReport",
     "ensure_model",
+    "measure_precision",
     "model_dir",
     "read_manifest",
     "status",
@@ -184,8 +186,55 @@ def _pull(asset: Asset, cfg: AssetsConfig, path: Path, base_dir: Path | None, lo
     log(f"{asset.name}: ready at {path}")
 
 
+@dataclass(frozen=True)
+class PrecisionReport:
+    """One CPU mode's accuracy on an encoder asset (`rose.int8`'s check set): the minimum
+    per-row cosine to float32, the gate's bound (None for float32 itself), or why the mode
+    cannot run."""
+
+    mode: str
+    cosine: float | None
+    bound: float | None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and (self.bound is None or (self.cosine or 0.0) >= self.bound)
+
+    def line(self) -> str:
+        if self.error:
+            return f"{self.mode}: not available ({self.error})"
+        bound = (
+            "" if self.bound is None else f" (bound {self.bound}: {'ok' if self.ok else 'REFUSED'})"
+        )
+        return f"{self.mode}: min cosine to float32 {self.cosine:.6f}{bound}"
+
+
+def measure_precision(path: Path) -> list[PrecisionReport]:
+    """Each CPU mode's accuracy (float32, bfloat16, int8) on a pulled encoder directory;
+    empty for assets ROSE does not serve as encoders (tokenizers, generators)."""
+    config = path / "config.json"
+    if not config.exists():
+        return []
+    from rose.models import FAMILIES
+
+    model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type", "bert")
+    if model_type not in FAMILIES:
+        return []
+    from rose.int8 import MIN_COSINE, measure_modes
+
+    reports = []
+    for mode, found in measure_modes(path).items():
+        if isinstance(found, Exception):
+            reports.append(PrecisionReport(mode, None, MIN_COSINE.get(mode), str(found)))
+        else:
+            reports.append(PrecisionReport(mode, found, MIN_COSINE.get(mode)))
+    return reports
+
+
 def verify_model(name: str, config: AssetsConfig | None = None, log: Log | None = None) -> Path:
-    """Re-run the verification of a pulled asset and record the result in its manifest."""
+    """Re-run the verification of a pulled asset and record the result in its manifest,
+    with each CPU mode's accuracy for an encoder (`measure_precision`, under "precision")."""
     cfg = _config(config)
     logf = log or _stderr_log
     asset = get_asset(name)
@@ -199,7 +248,17 @@ def verify_model(name: str, config: AssetsConfig | None = None, log: Log | None 
     locks.mkdir(parents=True, exist_ok=True)
     with FileLock(str(locks / f"{name}.lock"), timeout=_LOCK_TIMEOUT_S):
         manifest.pop("verification", None)
+        manifest.pop("precision", None)
         _verify_and_record(asset, path, manifest, logf)
+        reports = measure_precision(path)
+        for report in reports:
+            logf(f"{name}: {report.line()}")
+        if reports:
+            manifest["precision"] = {
+                r.mode: {"min_cosine": r.cosine, "bound": r.bound, "ok": r.ok, "error": r.error}
+                for r in reports
+            }
+            _write_manifest(path, manifest)
     return path
 
 
