@@ -41,7 +41,7 @@ class EngineConfig:
         as Qwen3-Embedding attend causally, pplx-embed's Qwen3 bidirectionally; BERT-like
         encoders always bidirectionally); "causal" or "bidirectional" insists, and a family
         that cannot run that way refuses to load.
-    quantize: None, or "int8" (CPU, float32 activations, BERT / XLM-R encoders and
+    quantize: None, or "int8" (CPU, float32 activations, BERT / XLM-R / Qwen3 encoders and
         cross-encoders): the encoder's linear layers on int8 weights (`rose.int8`).
     accuracy_gate: a reduced CPU mode (int8, or a bfloat16 / float16 dtype on CPU) is compared
         with float32 at load on `rose.int8`'s check set and refused (EngineError) below its

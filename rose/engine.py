@@ -48,7 +48,7 @@ from rose.loading import (
     read_splade,
     read_tensors,
 )
-from rose.models import EncoderConfig, Family, FamilyOptions, bert, family_for
+from rose.models import EncoderConfig, Family, FamilyOptions, bert, family_for, qwen3
 from rose.pooling import POOL_CODES, pool_ragged
 
 __all__ = ["Engine"]
@@ -56,7 +56,7 @@ __all__ = ["Engine"]
 log = logging.getLogger("rose.engine")
 
 # Families whose int8 path is tested against transformers fp32 (tests/test_cpu_precision.py).
-_INT8_FAMILIES = (bert.FAMILY,)
+_INT8_FAMILIES = (bert.FAMILY, qwen3.FAMILY)
 
 
 @dataclass(frozen=True)
@@ -186,8 +186,8 @@ class Engine:
         if config.quantize == "int8":
             if family not in _INT8_FAMILIES:
                 raise EngineError(
-                    f"{path}: EngineConfig.quantize='int8' serves BERT / XLM-R encoders and "
-                    f"cross-encoders; not model_type {raw.get('model_type')!r}"
+                    f"{path}: EngineConfig.quantize='int8' serves BERT / XLM-R / Qwen3 encoders "
+                    f"and cross-encoders; not model_type {raw.get('model_type')!r}"
                 )
         elif config.packed_weights and device.type == "cpu":
             model.pack_weights()  # int8: after calibration (`_quantize_int8`)

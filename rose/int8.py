@@ -3,8 +3,8 @@ mode (``--quantize int8``, ``--dtype bfloat16`` / ``float16`` on CPU) passes at 
 
 int8 scheme: the encoder's linear layers (not the classification / masked-LM / BGE-M3 heads)
 that keep or widen their width (BERT: the fused QKV, the attention output, the MLP's up
-projection) hold int8 weights with one symmetric scale per output channel
-(``scale = max|w_row| / 127``); activations are quantized to uint8 at run time by PyTorch's
+projection; Qwen3: q, o, gate and up, its grouped-query k / v being narrower) hold int8
+weights with one symmetric scale per output channel (``scale = max|w_row| / 127``); activations are quantized to uint8 at run time by PyTorch's
 dynamic quantized linear (``torch.ops.quantized.linear_dynamic``: FBGEMM or oneDNN under the
 ``x86`` engine, VNNI int8 dot products), one scale and zero point per call over the whole
 input (the kernel's granularity: per tensor, so one ragged batch shares it). On CPUs without
@@ -280,8 +280,8 @@ def quantize_int8(
 def check_batch(model_dir: Path, vocab_size: int, max_tokens: int) -> RaggedBatch:
     """The check inputs as one batch: each of `CHECK_TEXTS` alone, then groups of them joined
     into longer rows (~70-420 tokens for XLM-R), tokenized by ``model_dir/tokenizer.json``
-    and cut to `max_tokens`. A directory without a tokenizer (or whose ids exceed the vocabulary: tiny
-    test models) gets seeded random ids of the same lengths instead."""
+    and cut to `max_tokens`. A directory without a tokenizer (or whose ids exceed the
+    vocabulary: tiny test models) gets seeded random ids of the same lengths instead."""
     from rose.batch import RaggedBatch
 
     texts = list(CHECK_TEXTS)
@@ -342,7 +342,7 @@ def measure_modes(
 ) -> dict[str, float | EngineError]:
     """Every mode of `MODES` → its minimum per-row cosine to fp32 on the check set (CPU,
     gate off, so a failing mode is measured rather than refused), or the EngineError of a
-    mode the model cannot run in (int8 outside BERT / XLM-R)."""
+    mode the model cannot run in (int8 outside BERT / XLM-R / Qwen3)."""
     from rose.config import EngineConfig
     from rose.engine import Engine
 

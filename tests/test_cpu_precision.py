@@ -297,3 +297,84 @@ def test_models_verify_reports_each_mode(model_path, tmp_path: Path) -> None:  #
     recorded = json.loads((tmp_path / name / MANIFEST).read_text())["precision"]
     assert set(recorded) == {"float32", "bfloat16", "int8"}
     assert recorded["int8"]["ok"] and recorded["int8"]["min_cosine"] >= MIN_COSINE["int8"]
+
+
+# -- tiny random Qwen3 encoders (Qwen3-Embedding shape) and a Qwen3 classifier ---------------
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
+    from rose.assets.layout import write_pooling
+
+    def config(**extra: object) -> transformers.Qwen3Config:
+        return transformers.Qwen3Config(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=128,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            **extra,
+        )
+
+    torch.manual_seed(25)
+    root = tmp_path_factory.mktemp("tiny-qwen3-precision")
+    embedder = transformers.Qwen3Model(config()).eval()
+    embedder.save_pretrained(root / "embedding")
+    write_pooling(root / "embedding", 64, "lasttoken", normalize=True)
+    ce = transformers.Qwen3ForSequenceClassification(config(num_labels=1, pad_token_id=0))
+    ce.eval().save_pretrained(root / "ce")
+    return {"embedding": (embedder, root / "embedding"), "ce": (ce, root / "ce")}
+
+
+@pytest.mark.parametrize("name", ["embedding", "ce"])
+@pytest.mark.parametrize(
+    ("mode", "overrides"), [("bfloat16", {"dtype": "bfloat16"}), ("int8", {"quantize": "int8"})]
+)
+def test_tiny_qwen3_matches_transformers(tiny_qwen3, name: str, mode: str, overrides: dict) -> None:
+    model, path = tiny_qwen3[name]
+    rng = np.random.default_rng(3)
+    rows = [rng.integers(1, 1000, n).tolist() for n in (3, 17, 40, 9, 64)]
+    expected = []
+    with torch.inference_mode():
+        for r in rows:
+            result = model(input_ids=torch.tensor([r]))
+            if name == "ce":
+                expected.append(result.logits[0].numpy())
+            else:  # causal, pooled at the last token, normalized
+                last = result.last_hidden_state[0, -1]
+                expected.append(torch.nn.functional.normalize(last, dim=-1).numpy())
+    want = np.stack(expected)
+    engine = Engine.load(path, EngineConfig(device="cpu", **overrides))
+    if mode == "int8":  # q, o, gate and up int8; the GQA k / v and down (contracting) bf16
+        layer = engine._model.encoder.layers[0]
+        assert isinstance(layer.attention.wq, Int8Linear)
+        assert isinstance(layer.mlp.w_up, Int8Linear)
+        assert not isinstance(layer.mlp.w_down, Int8Linear)
+    got = engine.step(RaggedBatch.from_lists(rows)).numpy()
+    if name == "ce":
+        spread = want.std() + np.abs(want).mean()
+        tol = 0.05 if mode == "int8" else 0.01
+        np.testing.assert_allclose(got, want, atol=tol * spread, rtol=0)
+    else:
+        assert row_cosines(got, want).min() >= MIN_COSINE[mode]
+
+
+def test_int8_refuses_families_it_was_not_tested_on(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    config = transformers.MPNetConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=64,
+    )
+    transformers.MPNetModel(config).eval().save_pretrained(tmp_path / "mpnet")
+    with pytest.raises(EngineError, match="quantize='int8' serves BERT / XLM-R / Qwen3"):
+        Engine.load(tmp_path / "mpnet", EngineConfig(device="cpu", quantize="int8"))
+    found = measure_modes(tmp_path / "mpnet")
+    assert isinstance(found["int8"], EngineError) and found["bfloat16"] >= 0.999
