@@ -81,3 +81,24 @@ def test_embeddings_match_sentence_transformers_fp32(
     )
     one = np.array(single.json()["data"][0]["embedding"])
     assert one @ expected[1] / np.linalg.norm(one) >= MODES[name][2]
+
+
+def test_int8_is_refused_for_a_generator() -> None:
+    # --quantize covers encoders and cross-encoders: a decoder served for generation must not
+    # start as if it were quantized.
+    import subprocess
+    import sys
+
+    from rose.assets import ensure_model
+    from tulip.process import free_port
+
+    done = subprocess.run(
+        [sys.executable, "-m", "tulip", "--model", str(ensure_model("smollm2-135m-instruct"))]
+        + ["--device", "cpu", "--quantize", "int8", "--port", str(free_port())]
+        + ["--metrics-port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode != 0
+    assert "--quantize int8" in done.stderr and "generation" in done.stderr, done.stderr[-2000:]

@@ -52,6 +52,11 @@ def load_backend(config: TulipConfig) -> RoseBackend | GenerationBackend:
     model_dir = model.path
     config = dataclasses.replace(config, model_name=config.model_name or model.name)
     if is_generator(model_dir, config.runner):
+        if config.quantize != "none":
+            raise ConfigError(
+                f"--quantize {config.quantize}: {model.name} is served for generation, and "
+                "the int8 path covers encoders and cross-encoders only"
+            )
         return GenerationBackend.load(config, model_dir)
     if config.spec != "none":
         raise ConfigError(
