@@ -17,7 +17,14 @@ from rose.models.llama import LlamaForCausalLM
 from rose.quant import Int4Linear, int4_available
 from rose.sampling import SamplingParams
 from rose.spec import SpecConfig
-from rose.spec.mtp import MTPDrafter, MTPDraftRequest, MTPHead, MTPHeadConfig, draft_int4
+from rose.spec.mtp import (
+    MTPDrafter,
+    MTPDraftRequest,
+    MTPHead,
+    MTPHeadConfig,
+    MTPProposer,
+    draft_int4,
+)
 from rose.spec.mtp import draft_dtype as resolve_draft_dtype
 from rose.spec.train_mtp import (
     TrainConfig,
@@ -74,12 +81,13 @@ def test_trained_head_is_accepted_and_lossless(
     prompts = random_prompts(20, 50)  # unseen prompts, 50 as the bar asks
     base = [r.output_ids for r in GenerationEngine(target).generate(prompts, GREEDY)]
     got, eng = _run(target, head, prompts, draft_dtype=draft_dtype)
-    assert eng.mtp is not None
+    assert isinstance(eng.proposer, MTPProposer)
+    drafter = eng.proposer.drafter
     if draft_dtype == "int4":  # the products that fit the kernel hold int4 weights
-        assert isinstance(eng.mtp.head.fuse, Int4Linear)
-        assert isinstance(eng.mtp.lm_head, Int4Linear)
+        assert isinstance(drafter.head.fuse, Int4Linear)
+        assert isinstance(drafter.lm_head, Int4Linear)
     else:
-        assert eng.mtp.head.fuse.weight.dtype == getattr(torch, draft_dtype)
+        assert drafter.head.fuse.weight.dtype == getattr(torch, draft_dtype)
     assert got == base
     untrained, eng0 = _run(target, MTPHead(MTPHeadConfig.for_target(target.config)).eval(), prompts)
     assert untrained == base
@@ -273,23 +281,24 @@ def test_head_with_a_draft_vocabulary_and_unrolled_training(
     assert got == base
     assert eng.stats.acceptance_rate > 0.2, eng.stats.as_dict()
     drafted: list[int] = []
-    original = eng.mtp.propose if eng.mtp is not None else None
-    assert original is not None
+    assert isinstance(eng.proposer, MTPProposer)
+    drafter = eng.proposer.drafter
+    original = drafter.propose
 
     def spy(reqs, *args):  # record every drafted token
         out = original(reqs, *args)
         drafted.extend(t for d, _, _ in out for t in d)
         return out
 
-    chained = eng.mtp.chain_after_verify
+    chained = drafter.chain_after_verify
 
     def spy_chain(*args, **kwargs):  # the same for chains drafted right after verification
         out = chained(*args, **kwargs)
         drafted.extend(out.flatten().tolist())
         return out
 
-    eng.mtp.propose = spy  # type: ignore[method-assign]
-    eng.mtp.chain_after_verify = spy_chain  # type: ignore[method-assign]
+    drafter.propose = spy  # type: ignore[method-assign]
+    drafter.chain_after_verify = spy_chain  # type: ignore[method-assign]
     eng.generate(test_prompts[:4], GREEDY)
     assert drafted and set(drafted) <= set(vocab)
 

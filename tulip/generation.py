@@ -354,10 +354,7 @@ class GenerationBackend:
         """Most tokens (prompt + generated) one sequence can ever hold in the page pool,
         by the engine's worst-case admission rule (room for a draft, a second copy of the
         cache for a drafter model or MTP head)."""
-        engine = self._engine
-        copies = 2 if engine.drafter is not None or engine.mtp is not None else 1
-        pages = engine.allocator.num_pages // copies
-        return pages * engine.page_size - engine.config.spec.max_fed_drafts
+        return self._engine.max_sequence_tokens
 
     # -- the event loop's side -----------------------------------------------------------
 

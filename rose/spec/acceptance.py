@@ -1,12 +1,53 @@
-"""The speculative acceptance rule (Leviathan et al. / Chen et al. rejection sampling)."""
+"""The speculative acceptance rules (Leviathan et al. / Chen et al. rejection sampling).
+
+`accept` picks the rule for one request's verified rows: the greedy tree walk
+(`rose.spec.tree.accept_greedy_tree`) for a draft tree, `accept_greedy` for a greedy chain,
+and for sampled requests rejection sampling, `accept_drafts` against the proposal's ``q``
+or `accept_deterministic` when the drafts were proposed with certainty. Every rule emits
+exactly what sampling from the target token by token would (its argmax at temperature 0).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-__all__ = ["AcceptResult", "accept_deterministic", "accept_drafts", "accept_greedy"]
+from rose.sampling import SamplingParams, token_probs
+from rose.spec.tree import accept_greedy_tree
+
+if TYPE_CHECKING:
+    from rose.spec.proposer import Proposal
+
+__all__ = ["AcceptResult", "accept", "accept_deterministic", "accept_drafts", "accept_greedy"]
+
+
+def accept(
+    proposal: Proposal | None,
+    logits: torch.Tensor,
+    argmax: Sequence[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """One request's verdict on ``proposal`` (None: no drafts): logits ``[n, V]`` are the
+    target's at the ``n = len(drafts) + 1`` verified rows (the last pending token, then
+    every draft), ``argmax`` their argmax (read only for greedy requests). Returns the kept
+    drafts' indices (feed order, root to leaf) and the token emitted after them."""
+    drafts = [] if proposal is None else proposal.tokens
+    if proposal is not None and proposal.tree is not None:
+        return accept_greedy_tree(proposal.tree, argmax)
+    if params.greedy:
+        n, nxt = accept_greedy(drafts, list(argmax))
+        return list(range(n)), nxt
+    p = token_probs(logits, params)  # [n, V]
+    dt = torch.tensor([drafts], dtype=torch.int64, device=logits.device)  # [1, k]
+    if proposal is None or proposal.q is None:  # q is one-hot at the drafts
+        res = accept_deterministic(dt, p[None], generator)
+    else:
+        res = accept_drafts(dt, proposal.q[None], p[None], generator)
+    return list(range(int(res.num_accepted[0]))), int(res.next_token[0])
 
 
 @dataclass(frozen=True)

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rose.spec.proposer import proposer_methods
+
 __all__ = ["SpecConfig"]
 
-_METHODS = ("none", "ngram", "draft", "mtp")
 _DRAFT_DTYPES = ("auto", "float32", "bfloat16", "int4")
 _DEVICE_CHAIN = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """method: "none", "ngram" (prompt lookup), "draft" (a drafter model) or "mtp" (a draft
-    head on the target's features, `rose.spec.mtp`).
+    """method: "none", "ngram" (prompt lookup), "draft" (a drafter model), "mtp" (a draft
+    head on the target's features, `rose.spec.mtp`) or a proposer registered with
+    `rose.spec.proposer.register_proposer`.
     num_draft_tokens: k, tokens proposed per step.
     ngram_max / ngram_min: longest / shortest suffix n-gram looked up (prompt lookup).
     adaptive_k: per sequence, draft 2 more tokens (up to num_draft_tokens) after a step
@@ -75,8 +77,9 @@ class SpecConfig:
         return self.num_draft_tokens + sum(w - 1 for w in self.tree_widths)
 
     def __post_init__(self) -> None:
-        if self.method not in _METHODS:
-            raise ValueError(f"spec.method must be one of {_METHODS}, got {self.method!r}")
+        methods = proposer_methods()
+        if self.method not in methods:
+            raise ValueError(f"spec.method must be one of {methods}, got {self.method!r}")
         if self.num_draft_tokens < 1:
             raise ValueError(f"spec.num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.device_chain not in _DEVICE_CHAIN:

@@ -1,8 +1,15 @@
-"""Draft-target speculation: a small model sharing the target's tokenizer drafts a chain."""
+"""Draft-target speculation: a small model sharing the target's tokenizer drafts a chain.
+
+`DraftModelProposer` is the engine's `rose.spec.proposer.Proposer` for it: one drafter
+cache per request (``Request.draft_table``, pages from the engine's pool) that holds the
+request's tokens plus the drafts it fed, rolled back to the kept ones after each pass.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -12,8 +19,12 @@ from rose.kv.block_table import BlockTable
 from rose.kv.metadata import AttentionMetadata
 from rose.models.llama import LlamaForCausalLM
 from rose.sampling import SamplingParams, sample, token_probs
+from rose.spec.proposer import Proposal, ProposerInputs, Verified
 
-__all__ = ["DraftRequest", "ModelDrafter", "truncated_drafter"]
+if TYPE_CHECKING:
+    from rose.scheduler import Request
+
+__all__ = ["DraftModelProposer", "DraftRequest", "ModelDrafter", "truncated_drafter"]
 
 
 @dataclass
@@ -53,9 +64,6 @@ class ModelDrafter:
         self.page_size = page_size
         self.vocab_size = target_vocab_size
         self.cache = model.new_cache(allocator.num_pages, page_size)
-
-    def new_table(self) -> BlockTable:
-        return BlockTable(self.allocator, self.page_size)
 
     @torch.no_grad()
     def propose(self, requests: list[DraftRequest]) -> list[tuple[list[int], torch.Tensor | None]]:
@@ -102,6 +110,40 @@ class ModelDrafter:
         """Drop cached drafts the target rejected: keep at most ``valid_tokens`` tokens."""
         if table.length > valid_tokens:
             table.truncate(valid_tokens)
+
+
+class DraftModelProposer:
+    """A drafter model (`ModelDrafter`) on each request's ``draft_table``."""
+
+    kv_copies = 1
+    target_features = False
+
+    def __init__(self, drafter: ModelDrafter) -> None:
+        self.drafter = drafter
+
+    @staticmethod
+    def build(inputs: ProposerInputs) -> DraftModelProposer:
+        if inputs.drafter is None:
+            raise ValueError("spec.method='draft' needs a drafter model")
+        return DraftModelProposer(
+            ModelDrafter(
+                inputs.drafter, inputs.allocator, inputs.page_size, inputs.target.config.vocab_size
+            )
+        )
+
+    def propose(self, todo: Sequence[tuple[Request, int]]) -> list[Proposal | None]:
+        reqs = []
+        for r, k in todo:
+            assert r.draft_table is not None
+            reqs.append(DraftRequest(r.draft_table, r.tokens, k, r.params, r.generator))
+        return [Proposal(d, q) if d else None for d, q in self.drafter.propose(reqs)]
+
+    def accept(self, request: Request, verified: Verified) -> None:
+        """The drafter cache keeps the tokens so far and the drafts it fed that the target
+        kept (it fed all but the last draft)."""
+        assert request.draft_table is not None
+        kept = min(len(verified.path), max(verified.drafts - 1, 0))
+        ModelDrafter.rollback(request.draft_table, len(request.tokens) + kept)
 
 
 def truncated_drafter(target: LlamaForCausalLM, num_layers: int) -> LlamaForCausalLM:

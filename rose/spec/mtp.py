@@ -8,6 +8,12 @@ LM head: the prediction for token ``t + 2``. The head shares the target's embedd
 head. Chained drafting feeds the head's own output feature as the next pair's hidden state.
 
 Saved as ``model.safetensors`` + ``config.json`` (`MTPHeadConfig`) in a directory.
+
+`MTPProposer` is the engine's `rose.spec.proposer.Proposer` for it: the head's cache per
+request (``Request.draft_table``) holds pairs built from target features only, never from
+the head's own drafts once a pass is verified; the target features of verified tokens not
+yet fed to the head wait in the request's `MTPState`. Greedy chains may be accepted on the
+device with the next chain drafted in the same step (`MTPProposer.chains_on_device`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections.abc import Sequence
 from copy import deepcopy
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -38,9 +44,24 @@ from rose.models.llama import (
 from rose.packed import PackedLinear, can_pack, pack_linears
 from rose.quant import Int4Linear, int4_available, int4_fits, quantize_linears
 from rose.sampling import SamplingParams, sample, token_probs
-from rose.spec.tree import DynamicTree
+from rose.spec.draft_model import ModelDrafter
+from rose.spec.proposer import Proposal, ProposerInputs, Verified
+from rose.spec.tree import DraftTree, DynamicTree
 
-__all__ = ["MTPDraftRequest", "MTPDrafter", "MTPHead", "MTPHeadConfig", "draft_dtype"]
+if TYPE_CHECKING:
+    from rose.runner import PassOutput
+    from rose.scheduler import Request, Scheduled
+    from rose.spec.config import SpecConfig
+
+__all__ = [
+    "MTPDraftRequest",
+    "MTPDrafter",
+    "MTPHead",
+    "MTPHeadConfig",
+    "MTPProposer",
+    "MTPState",
+    "draft_dtype",
+]
 
 _FORMAT = "trellis-mtp-head/1"
 
@@ -612,3 +633,184 @@ class MTPDrafter:
             (drafts[i], torch.stack(dists[i]) if dists[i] else None, alts[i])
             for i in range(len(requests))
         ]
+
+
+@dataclass
+class MTPState:
+    """A request's head-side state: features ``[n, feature_width]`` of the target for pairs
+    ``draft_table.length ..`` not fed to the head yet (None: none), and the chain drafted on
+    the device right after the last verification (None: none; `MTPProposer.settle`)."""
+
+    features: torch.Tensor | None = None
+    next_drafts: list[int] | None = None
+
+
+class MTPProposer:
+    """Chains (or, for greedy requests, draft trees) from an `MTPDrafter`."""
+
+    kv_copies = 1
+
+    def __init__(self, drafter: MTPDrafter, spec: SpecConfig) -> None:
+        self.drafter = drafter
+        self.spec = spec
+        self.target_features = drafter.head.config.target_request
+
+    @staticmethod
+    def build(inputs: ProposerInputs) -> MTPProposer:
+        head = inputs.mtp_head
+        if head is None:
+            raise ValueError("spec.method='mtp' needs an mtp_head")
+        setting = inputs.spec.draft_dtype
+        drafter = MTPDrafter(
+            head,
+            inputs.target,
+            inputs.allocator,
+            inputs.page_size,
+            draft_dtype(setting, head),
+            draft_int4(setting, head),
+        )
+        return MTPProposer(drafter, inputs.spec)
+
+    def propose(self, todo: Sequence[tuple[Request, int]]) -> list[Proposal | None]:
+        """Chains drafted at the end of the last step where there are some, else the head
+        drafts from the features it has not seen yet (requests without any get none)."""
+        out: list[Proposal | None] = [None] * len(todo)
+        reqs: list[MTPDraftRequest] = []
+        owners: list[tuple[int, MTPState, int]] = []
+        for i, (r, k) in enumerate(todo):
+            state = r.spec_state
+            if state is None or r.draft_table is None:
+                continue
+            if state.next_drafts is not None:
+                d, state.next_drafts = state.next_drafts[:k], None
+                out[i] = Proposal(d) if d else None
+            elif state.features is not None:
+                reqs.append(
+                    MTPDraftRequest(
+                        r.draft_table, state.features, r.tokens, k, r.params, r.generator
+                    )
+                )
+                owners.append((i, state, r.draft_table.length))
+        if not reqs:
+            return out
+        spec = self.spec
+        proposals = self.drafter.propose(
+            reqs, spec.tree_widths, spec.tree_nodes, spec.chain_min_prob
+        )
+        for (i, state, before), mr, (d, q, alts) in zip(owners, reqs, proposals, strict=True):
+            if mr.table.length > before:
+                state.features = None  # consumed into the head's cache
+            if d and any(alts):
+                tree = DraftTree(d, alts)
+                out[i] = Proposal(tree.tokens, q, tree)
+            elif d:
+                out[i] = Proposal(d, q)
+        return out
+
+    def accept(self, request: Request, verified: Verified) -> None:
+        """The head's cache keeps only pairs built from target features (the features of
+        the kept tokens are queued to refill it)."""
+        table = request.draft_table
+        assert table is not None and verified.hidden is not None
+        ModelDrafter.rollback(table, len(request.tokens) - 1)
+        path, pending = verified.path, verified.pending
+        if path and path[-1] != len(path) - 1:  # a tree's alternative: pending rows, then the path
+            kept = [*range(pending), *(pending + j for j in path)]
+            new = verified.hidden[kept]
+        else:  # positions cached .. in feed order
+            new = verified.hidden[: pending + len(path)]
+        state = request.spec_state
+        if state is None:
+            state = request.spec_state = MTPState()
+        state.features = new if state.features is None else torch.cat([state.features, new])
+
+    # ------------------------------------------------------- chains on the device
+    def chains_on_device(self, batch: Sequence[Scheduled]) -> bool:
+        """Whether this step accepts on the device and drafts the next chains before
+        anything is read back (`SpecConfig.device_chain`): every request greedy and yielding
+        a token, plain chains, the head's cache holding exactly the pairs before the pass,
+        and room reserved in every head table for the chain (`MTPDrafter.chain_room`)."""
+        spec = self.spec
+        wanted = spec.device_chain == "on" or (
+            spec.device_chain == "auto" and self.drafter.cache.k.device.type != "cpu"
+        )
+        if (
+            not wanted
+            or spec.tree_widths
+            or spec.tree_nodes
+            or spec.adaptive_k
+            or not all(s.request.params.greedy and s.emits for s in batch)
+        ):
+            return False
+        for s in batch:
+            head, state = s.request.draft_table, s.request.spec_state
+            if head is None or head.length < s.cached:
+                return False
+            if state is not None and state.features is not None:
+                return False  # features still to feed: the general path feeds them
+        for s in batch:
+            head = s.request.draft_table
+            assert head is not None
+            ModelDrafter.rollback(head, s.cached)  # the chain drafted for this pass
+            fed = s.pending + len(s.drafts)
+            try:
+                head.reserve(self.drafter.chain_room(s.cached, fed, spec.num_draft_tokens))
+            except OutOfPages:
+                return False
+        return True
+
+    def outcome_on_device(self, batch: Sequence[Scheduled], out: PassOutput) -> torch.Tensor:
+        """Accepted counts ``[B]``, bonus tokens ``[B]`` and the next drafts ``[B * k]`` (-1
+        past where a chain stopped, `SpecConfig.chain_min_prob`), side by side on the
+        device, from a verification pass: nothing is read back and no copy waits for the
+        device, so on a GPU the head's steps queue right behind the pass
+        (`MTPDrafter.chain_after_verify`)."""
+        assert out.hidden is not None
+        dev = out.logits.device
+        chains = [s.drafts for s in batch]
+        width = max(1, max(len(d) for d in chains))
+        # per request: the logits rows checking its drafts, then its bonus row (the last
+        # row repeated past a short chain), and its drafts (-1, no token, past them)
+        at, want = [], []
+        for d, row in zip(chains, out.rows, strict=True):
+            n = len(d) + 1
+            at.append([row + j for j in range(n)] + [row + n - 1] * (width + 1 - n))
+            want.append(list(d) + [-1] * (width - len(d)))
+        pred = out.logits.argmax(-1)[to_device(torch.tensor(at), dev)]  # [B, width + 1]
+        hit = pred[:, :width] == to_device(torch.tensor(want), dev)  # [B, width]
+        n_acc = hit.to(torch.int64).cumprod(1).sum(1)  # [B] leading drafts the target kept
+        bonus = pred.gather(1, n_acc[:, None]).squeeze(1)  # [B] the target's next token
+        pending = torch.tensor([s.pending for s in batch])
+        last = to_device(pending, dev) - 1 + n_acc  # [B] row of the last verified token
+        tables = [s.request.draft_table for s in batch]
+        assert all(t is not None for t in tables)
+        nxt = self.drafter.chain_after_verify(
+            tables,  # type: ignore[arg-type]
+            [s.cached for s in batch],
+            [s.ids for s in batch],
+            out.hidden,
+            last,
+            bonus,
+            self.spec.num_draft_tokens,
+            self.spec.chain_min_prob,
+        )
+        return torch.cat([n_acc, bonus, nxt.flatten()])
+
+    def settle(self, batch: Sequence[Scheduled], back: list[int]) -> list[tuple[int, int]]:
+        """(accepted drafts, next token) per request from `outcome_on_device` read back;
+        each head table keeps the pairs of the verified tokens, each request its next chain."""
+        k = self.spec.num_draft_tokens
+        b = len(batch)
+        outcomes = []
+        for i, s in enumerate(batch):
+            acc, tok = back[i], back[b + i]
+            head = s.request.draft_table
+            assert head is not None
+            head.length = self.drafter.chain_room(s.cached, s.pending + len(s.drafts), k)
+            head.truncate(s.cached + s.pending + acc)  # pairs built from target features only
+            state = s.request.spec_state
+            if state is None:
+                state = s.request.spec_state = MTPState()
+            state.next_drafts = [t for t in back[2 * b + i * k : 2 * b + (i + 1) * k] if t >= 0]
+            outcomes.append((acc, tok))
+        return outcomes

@@ -1,10 +1,23 @@
-"""N-gram prompt lookup drafting: no model, copies continuations from the context."""
+"""N-gram prompt lookup drafting: no model, copies continuations from the context.
+
+`NgramProposer` is the engine's `rose.spec.proposer.Proposer` for it: no cache, no state,
+certain proposals (q one-hot at the drafts).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-__all__ = ["NgramDrafter"]
+from rose.spec.proposer import Proposal, Verified
+
+if TYPE_CHECKING:
+    from rose.scheduler import Request
+    from rose.spec.config import SpecConfig
+
+__all__ = ["NgramDrafter", "NgramProposer"]
 
 
 class NgramDrafter:
@@ -37,3 +50,23 @@ class NgramDrafter:
                     out.append(out[start + i])
                 return out[length:]
         return []
+
+
+class NgramProposer:
+    """Prompt lookup over each request's tokens (`NgramDrafter`)."""
+
+    kv_copies = 0
+    target_features = False
+
+    def __init__(self, spec: SpecConfig) -> None:
+        self.drafter = NgramDrafter(spec.ngram_max, spec.ngram_min)
+
+    def propose(self, todo: Sequence[tuple[Request, int]]) -> list[Proposal | None]:
+        out: list[Proposal | None] = []
+        for r, k in todo:
+            d = self.drafter.propose(r.tokens, k)
+            out.append(Proposal(d) if d else None)
+        return out
+
+    def accept(self, request: Request, verified: Verified) -> None:
+        """Nothing to roll back: the next lookup reads the request's tokens afresh."""
