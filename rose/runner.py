@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rose.attention.metadata import AttentionMetadata
 from rose.kv.allocator import OutOfPages
 from rose.kv.block_table import BlockTable
-from rose.kv.metadata import AttentionMetadata
 from rose.models.llama import LlamaForCausalLM
 from rose.spec.tree import DraftTree, tree_metadata
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rose.kv import AttentionMetadata, BlockTable, KVCacheConfig, OutOfPages, PageAllocator
+from rose.attention.metadata import AttentionMetadata
+from rose.kv import BlockTable, KVCacheConfig, OutOfPages, PageAllocator
 
 
 def test_allocator_hands_out_each_page_once_and_refuses_past_capacity() -> None:

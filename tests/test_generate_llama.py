@@ -8,7 +8,8 @@ import pytest
 import torch
 import transformers
 
-from rose.kv import AttentionMetadata, BlockTable, PageAllocator
+from rose.attention.metadata import AttentionMetadata
+from rose.kv import BlockTable, PageAllocator
 from rose.models.llama import (
     LlamaConfig,
     LlamaForCausalLM,

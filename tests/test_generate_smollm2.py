@@ -10,8 +10,9 @@ import torch
 import transformers
 
 from rose.assets import ensure_model
+from rose.attention.metadata import AttentionMetadata
 from rose.generate import GenerationConfig, GenerationEngine
-from rose.kv import AttentionMetadata, BlockTable, PageAllocator
+from rose.kv import BlockTable, PageAllocator
 from rose.models.llama import LlamaForCausalLM
 from rose.sampling import SamplingParams
 from rose.spec import SpecConfig, truncated_drafter

@@ -23,6 +23,7 @@ import transformers
 
 from rose.attention import flashinfer_coverage, select_backend
 from rose.attention.flashinfer import FlashInferBackend, PlanRing, import_flashinfer
+from rose.attention.metadata import AttentionMetadata
 from rose.attention.paged import (
     FlashInferPagedAttention,
     PagedLayout,
@@ -32,7 +33,6 @@ from rose.attention.paged import (
 from rose.graphs import CudaCaptureBackend
 from rose.kv.allocator import PageAllocator
 from rose.kv.block_table import BlockTable
-from rose.kv.metadata import AttentionMetadata
 from rose.spec.tree import DraftTree, tree_metadata
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -15,10 +15,10 @@ import transformers
 from tiny_llama import HIDDEN, random_prompts, tiny_target
 
 from rose.assets import ensure_model
+from rose.attention.metadata import AttentionMetadata
 from rose.generate import GenerationConfig, GenerationEngine
 from rose.kv.allocator import PageAllocator
 from rose.kv.block_table import BlockTable
-from rose.kv.metadata import AttentionMetadata
 from rose.models.llama import LlamaForCausalLM
 from rose.sampling import SamplingParams
 from rose.spec import SpecConfig

@@ -11,6 +11,7 @@ import torch
 from tiny_llama import VOCAB, tiny_target
 
 from rose.attention.flashinfer import flashinfer_coverage
+from rose.attention.metadata import AttentionMetadata
 from rose.attention.paged import (
     PagedLayout,
     ReferencePagedAttention,
@@ -18,7 +19,6 @@ from rose.attention.paged import (
 )
 from rose.kv.allocator import PageAllocator
 from rose.kv.block_table import BlockTable
-from rose.kv.metadata import AttentionMetadata
 from rose.models.llama import LlamaConfig, LlamaForCausalLM
 from rose.spec.tree import DraftTree, tree_metadata
 

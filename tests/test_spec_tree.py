@@ -10,10 +10,10 @@ import pytest
 import torch
 from tiny_llama import VOCAB, random_prompts, tiny_target
 
+from rose.attention.metadata import AttentionMetadata
 from rose.generate import GenerationConfig, GenerationEngine
 from rose.kv.allocator import PageAllocator
 from rose.kv.block_table import BlockTable
-from rose.kv.metadata import AttentionMetadata
 from rose.models.llama import LlamaForCausalLM
 from rose.sampling import SamplingParams
 from rose.spec import SpecConfig

@@ -35,7 +35,7 @@ from rose.attention.flashinfer import (
     head_dim_unsupported,
     import_flashinfer,
 )
-from rose.kv.metadata import AttentionMetadata, PageLists
+from rose.attention.metadata import AttentionMetadata, PageLists
 
 __all__ = [
     "FlashInferPagedAttention",

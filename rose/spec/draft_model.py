@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from rose.attention.metadata import AttentionMetadata
 from rose.kv.allocator import OutOfPages, PageAllocator
 from rose.kv.block_table import BlockTable
-from rose.kv.metadata import AttentionMetadata
 from rose.models.llama import LlamaForCausalLM
 from rose.sampling import SamplingParams, sample, token_probs
 from rose.spec.proposer import Proposal, ProposerInputs, Verified

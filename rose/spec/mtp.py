@@ -29,10 +29,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from rose.attention.metadata import AttentionMetadata, PageLists, to_device
 from rose.kv.allocator import OutOfPages, PageAllocator
 from rose.kv.block_table import BlockTable
 from rose.kv.cache import PagedKVCache
-from rose.kv.metadata import AttentionMetadata, PageLists, to_device
 from rose.models.llama import (
     Block,
     LlamaConfig,

@@ -79,9 +79,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rose.attention.metadata import AttentionMetadata
 from rose.kv.allocator import KVCacheConfig, PageAllocator
 from rose.kv.block_table import BlockTable
-from rose.kv.metadata import AttentionMetadata
 from rose.models.llama import LlamaForCausalLM, apply_rope, rope_cos_sin, rope_inv_freq
 from rose.sampling import SamplingParams
 from rose.spec.mtp import MTPHead, MTPHeadConfig

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from rose.kv.metadata import AttentionMetadata, to_device
+from rose.attention.metadata import AttentionMetadata, to_device
 
 __all__ = ["DraftTree", "DynamicTree", "accept_greedy_tree", "tree_metadata"]
 
