@@ -282,9 +282,9 @@ def _verify_costs(model: LlamaForCausalLM, sizes: tuple[int, ...]) -> dict[int, 
     """Median ms of one target pass over n new tokens (logits for all n) after 200 cached
     tokens, as a verification of n - 1 drafts costs in the engine: 2-3 tokens are fed with
     fillers up to 4 and their logit rows padded to 4, as `rose.generate` does on the CPU."""
+    from rose.attention.metadata import AttentionMetadata
     from rose.kv.allocator import PageAllocator
     from rose.kv.block_table import BlockTable
-    from rose.kv.metadata import AttentionMetadata
 
     cache = model.new_cache(32, 16)
     table = BlockTable(PageAllocator(32), 16)

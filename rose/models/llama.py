@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from rose.attention.metadata import AttentionMetadata
 from rose.attention.paged import PagedKernel, paged_kernel_for
 from rose.kv.cache import PagedKVCache
-from rose.kv.metadata import AttentionMetadata
 from rose.packed import pack_linears
 
 __all__ = [
