@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import orjson
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ivy.calls import CallFailed
@@ -39,7 +40,13 @@ from ivy.errors import (
     ValidationError,
 )
 from ivy.gateway import Gateway
-from ivy.generation_schemas import ChatCompletionRequest, CompletionRequest
+from ivy.generation_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    ResponseFormat,
+)
 from ivy.models import GENERATOR, ServedModel
 from ivy.replicas import Replica
 from ivy.router import cancel_all, gather_or_cancel, translate
@@ -345,6 +352,8 @@ class GenerationService:
         )
         if req.seed is not None:
             sampling.seed = req.seed % 2**64
+        if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
+            sampling.response_format.CopyFrom(_response_format(req.response_format))
         longest = max(int(p.size) for p in prompts)
         return Prepared(
             model=model.name,
@@ -488,13 +497,26 @@ def unsupported_field(req: ChatCompletionRequest | CompletionRequest) -> str | N
             functions=lambda v: not v,
             tool_choice=lambda v: v in ("none", "auto"),
             function_call=lambda v: v in ("none", "auto"),
-            response_format=lambda v: v == {"type": "text"},
         )
     for name, is_noop in noop.items():
         value = getattr(req, name)
         if value is not None and not is_noop(value):
             return name
     return None
+
+
+def _response_format(fmt: ResponseFormat) -> pb.ResponseFormat:
+    """OpenAI's response_format as the wire's (`rose.grammar` compiles it on the replica)."""
+    if isinstance(fmt, JsonSchemaFormat):
+        schema = fmt.json_schema.json_schema
+        if not schema:
+            return pb.ResponseFormat(type=pb.ResponseFormat.TYPE_JSON_OBJECT)
+        return pb.ResponseFormat(
+            type=pb.ResponseFormat.TYPE_JSON_SCHEMA, json_schema=orjson.dumps(schema).decode()
+        )
+    if isinstance(fmt, JsonObjectFormat):
+        return pb.ResponseFormat(type=pb.ResponseFormat.TYPE_JSON_OBJECT)
+    return pb.ResponseFormat(type=pb.ResponseFormat.TYPE_TEXT)
 
 
 def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:

@@ -31,9 +31,14 @@ __all__ = [
     "CompletionRequest",
     "CompletionResponse",
     "GenerationUsage",
+    "JsonObjectFormat",
+    "JsonSchemaFormat",
+    "JsonSchemaSpec",
+    "ResponseFormat",
     "RoleDelta",
     "StreamError",
     "StreamOptions",
+    "TextFormat",
     "TextPart",
 ]
 
@@ -95,6 +100,49 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaSpec(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema. ``strict`` is accepted either
+    way: Trellis always holds the output to the schema (the tokens are masked)."""
+
+    model_config = ConfigDict(
+        strict=True, extra="ignore", frozen=True, populate_by_name=True, **_CLOSED
+    )
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(
+        default_factory=dict,
+        alias="schema",
+        json_schema_extra={"additionalProperties": True},
+        description="A JSON Schema; absent: any JSON object.",
+    )
+    strict: bool | None = None
+
+
+class TextFormat(_Strict):
+    model_config = _CLOSED
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    model_config = _CLOSED
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = _CLOSED
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")
+]
+
+
 class _Sampling(_Strict):
     """The sampling and stopping parameters both endpoints share."""
 
@@ -134,8 +182,10 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = Field(default=None, description=_UNSUPPORTED)
     functions: list[Any] | None = Field(default=None, description=_UNSUPPORTED)
     function_call: str | dict[str, Any] | None = Field(default=None, description=_UNSUPPORTED)
-    response_format: dict[str, Any] | None = Field(
-        default=None, description='Only {"type": "text"} is supported.'
+    response_format: ResponseFormat | None = Field(
+        default=None,
+        description="text, json_object (the answer is a JSON object) or json_schema (the "
+        "answer validates against the schema); generation is constrained token by token.",
     )
 
 

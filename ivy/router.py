@@ -667,11 +667,19 @@ def note_refusal(replica: Replica, code: grpc.StatusCode) -> None:
         replica.mark_suspect()
 
 
+# The wire field a replica's INVALID_ARGUMENT starts with → the request field it came from,
+# where that is not the request's main input (the `param` translate is given).
+_FIELD_PARAMS = {"sampling.response_format": "response_format"}
+
+
 def translate(code: grpc.StatusCode, details: str, *, model: str, param: str) -> IvyError:
     """The one table from a replica's failure to the client's error. Only the client's own
     mistakes (INVALID_ARGUMENT) are passed on in the replica's words; the rest get a
     generic message, and the details go to the log."""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
+        # a replica names the wire field it refused; a few are one request field of their own
+        field = next((f for f in _FIELD_PARAMS if details.startswith(f)), None)
+        param = _FIELD_PARAMS[field] if field is not None else param
         return ValidationError(details or "invalid input", param=param)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineError("The request timed out.")

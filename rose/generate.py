@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rose.grammar import GrammarError, Grammars
 from rose.kv.allocator import KVCacheConfig, PageAllocator
 from rose.models.llama import LlamaForCausalLM
 from rose.runner import Chunk, ModelRunner, PassOutput
@@ -111,11 +112,13 @@ class GenerationEngine:
         mtp_head: MTPHead | None = None,
         eos_ids: Sequence[int] = (),
         detokenize: Callable[[list[int]], str] | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.model = model
         self.config = config
         self.eos_ids = tuple(eos_ids)
         self.detokenize = detokenize
+        self.grammars = grammars
         self.page_size = config.kv.page_size
         self.allocator = PageAllocator(config.kv.num_pages)
         self.proposer = build_proposer(
@@ -139,6 +142,14 @@ class GenerationEngine:
         """Queue a request; returns its id. Raises `CapacityError` when it could never fit."""
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+        grammar = None
+        if params.response_format is not None:
+            if self.grammars is None:
+                raise ValueError("sampling.response_format: this engine was built without grammars")
+            try:
+                grammar = self.grammars.state(params.response_format)
+            except GrammarError as error:
+                raise GrammarError(f"sampling.response_format.{error}") from None
         table, draft_table = self.scheduler.new_tables()
         r = Request(
             seq_id=next(self._ids),
@@ -149,6 +160,7 @@ class GenerationEngine:
             stopper=StopChecker(params, self.eos_ids, self.detokenize),
             table=table,
             draft_table=draft_table,
+            grammar=grammar,
         )
         self.scheduler.add(r)
         return r.seq_id
@@ -186,7 +198,13 @@ class GenerationEngine:
             return []
         p = self.proposer
         # greedy chains accepted on the device and the next ones drafted right after the pass
-        chain = p if isinstance(p, DeviceChainProposer) and p.chains_on_device(batch) else None
+        # (not with a grammar: its masks are made on the host, before acceptance)
+        constrained = any(s.request.grammar is not None for s in batch)
+        chain = (
+            p
+            if isinstance(p, DeviceChainProposer) and not constrained and p.chains_on_device(batch)
+            else None
+        )
         chunks = [
             Chunk(
                 s.request.table,
@@ -206,6 +224,8 @@ class GenerationEngine:
             self.stats.draft_s += time.perf_counter() - t1
             outcomes = [(list(range(n)), tok) for n, tok in chain.settle(batch, back)]
         else:
+            if constrained:
+                self._mask(batch, out)
             # temperature 0: the target's argmax at every verified row, one sync for all
             greedy = any(s.request.params.greedy for s in batch)
             argmax = out.logits.argmax(-1).tolist() if greedy else []
@@ -262,8 +282,22 @@ class GenerationEngine:
             return
         t0 = time.perf_counter()
         for (r, _), proposal in zip(todo, self.proposer.propose(todo), strict=True):
-            r.proposal = proposal
+            # a draft tree's rows would each need its own path's mask: constrained requests
+            # verify chains only (a dropped proposal is one the proposer already handles)
+            tree = proposal is not None and proposal.tree is not None
+            r.proposal = None if tree and r.grammar is not None else proposal
         self.stats.draft_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _mask(batch: list[Scheduled], out: PassOutput) -> None:
+        """Mask, in place, the logits rows of every constrained request that emits: each row
+        to what its grammar allows after the drafts before it (`GrammarState.mask_rows`), so
+        acceptance and sampling see the constrained distribution."""
+        for i, s in enumerate(batch):
+            grammar = s.request.grammar
+            if grammar is not None and s.emits:
+                row = out.rows[i]
+                grammar.mask_rows(out.logits[row : row + len(s.drafts) + 1], s.drafts)
 
     def _accept(
         self, s: Scheduled, out: PassOutput, argmax: list[int], i: int
@@ -335,6 +369,8 @@ class GenerationEngine:
             if r.stopper.is_stop_token(tok):
                 r.finish_reason = "stop"
                 return
+            if r.grammar is not None:
+                r.grammar.accept([tok])
             r.tokens.append(tok)
             r.new_ids.append(tok)
             reason = r.stopper.check(r.output_ids)

@@ -23,6 +23,7 @@ Invariant: a state's position is the request's emitted tokens; only
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,32 +64,43 @@ class Grammars:
     """
 
     def __init__(self, tokenizer_dir: str | Path, vocab_size: int, stop_ids: Sequence[int]):
-        import xgrammar
-        from transformers import AutoTokenizer
-
-        self._xgr = xgrammar
-        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-        info = xgrammar.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids)
-        )
+        self.tokenizer_dir = Path(tokenizer_dir)
         self.vocab_size = vocab_size
-        self._compiler = xgrammar.GrammarCompiler(info)  # caches compiled grammars itself
-        self._lock = threading.Lock()  # compiles come from Tulip's request threads
+        self.stop_ids = list(stop_ids)
+        self._compiler = None  # built by the first request with a format (~0.5 s)
+        self._lock = threading.Lock()  # compiles may come from several threads
+
+    def _compiler_now(self):  # type: ignore[no-untyped-def]
+        if self._compiler is None:
+            import xgrammar
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+            info = xgrammar.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+            )
+            self._compiler = xgrammar.GrammarCompiler(info)  # caches compiled grammars
+        return self._compiler
 
     def state(self, fmt: JsonFormat) -> GrammarState:
         """A fresh state at the start of a generation in ``fmt``; raises `GrammarError`."""
-        try:
-            with self._lock:
+        import xgrammar
+
+        with self._lock:
+            compiler = self._compiler_now()
+            try:
                 # json_object is the schema of any object (xgrammar's built-in JSON grammar
                 # would also allow arrays and scalars). Compact JSON, no free whitespace: a
                 # model cannot pad its answer with endless blanks.
-                compiled = self._compiler.compile_json_schema(
+                compiled = compiler.compile_json_schema(
                     fmt.schema or '{"type": "object"}', any_whitespace=False
                 )
-        except RuntimeError as exc:  # xgrammar's C++ errors, e.g. an unsupported keyword
-            reason = str(exc).rpartition("] ")[2].splitlines()[0]
-            raise GrammarError(f"json_schema: {reason}") from None
-        return GrammarState(self._xgr, compiled, self.vocab_size)
+            except (RuntimeError, ValueError, TypeError) as exc:  # e.g. an unsupported keyword
+                # xgrammar's C++ errors start with "[time] file.cc:line: "
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                reason = re.sub(r"^(\[[^\]]*\]\s*)?(\S+\.(cc|h|cpp):\d+:\s*)?", "", first)
+                raise GrammarError(f"json_schema: {reason}") from None
+        return GrammarState(xgrammar, compiled, self.vocab_size)
 
 
 class GrammarState:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rose.grammar import JsonFormat
+
 __all__ = [
     "FinishReason",
     "SamplingParams",
@@ -39,7 +41,8 @@ class SamplingParams:
     seed: seeds this request's own generator (None = nondeterministic).
     max_tokens: most tokens generated. stop: strings that end generation (the text is cut
     before them). stop_token_ids: extra ids that end generation like EOS. ignore_eos:
-    keep generating past the model's EOS ids.
+    keep generating past the model's EOS ids. response_format: hold the output to a JSON
+    format (`rose.grammar`; None: free text); it ends at the grammar's end (an EOS id).
     """
 
     max_tokens: int = 256
@@ -50,6 +53,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    response_format: JsonFormat | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -62,6 +66,8 @@ class SamplingParams:
             raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("sampling.stop must not contain empty strings")
+        if self.response_format is not None and self.ignore_eos:
+            raise ValueError("sampling.ignore_eos cannot be used with a response_format")
 
     @property
     def greedy(self) -> bool:

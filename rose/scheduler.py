@@ -33,6 +33,7 @@ from rose.kv.block_table import BlockTable
 if TYPE_CHECKING:
     import torch
 
+    from rose.grammar import GrammarState
     from rose.sampling import FinishReason, SamplingParams, StopChecker
     from rose.spec.proposer import Proposal
 
@@ -53,7 +54,7 @@ class Request:
     proposal: drafts for this step's pass (None: a pass without drafts).
     draft_len: adaptive k, drafts wanted next step (0: not yet set).
     spec_state: whatever the proposer keeps per request (None again after preemption).
-    params / generator / stopper / new_ids / finish_reason: carried for the engine.
+    params / generator / stopper / grammar / new_ids / finish_reason: carried for the engine.
     """
 
     seq_id: int
@@ -67,6 +68,7 @@ class Request:
     proposal: Proposal | None = None
     draft_len: int = 0
     spec_state: Any = None
+    grammar: GrammarState | None = None  # response_format's state (`rose.grammar`)
     finish_reason: FinishReason | None = None
     new_ids: list[int] = field(default_factory=list)
 

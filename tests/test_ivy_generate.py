@@ -16,11 +16,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import pytest
 from up_cluster import UpCluster, start_up, stop_up
 
@@ -657,9 +658,144 @@ def test_metrics_count_generation(base: str, name: str) -> None:
     assert metric(text, "ivy_generations_total", model=name, outcome="stop") >= 1
 
 
-def test_up_passes_speculation_flags_to_its_replicas(model_dir: Path, oracle: Oracle) -> None:
+# ---- structured output (response_format) ------------------------------------------------
+
+BOOK_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "year": {"type": "integer", "minimum": 0, "maximum": 2100},
+        "genres": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+    },
+    "required": ["title", "year", "genres"],
+    "additionalProperties": False,
+}
+BOOK_CHAT = [{"role": "user", "content": "Describe a famous novel as JSON."}]
+
+
+def _json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "book", "schema": schema, "strict": True},
+    }
+
+
+@pytest.fixture(scope="module")
+def constrained_oracle(model_dir: Path, oracle: Oracle) -> Callable[[list[int], str, int], str]:
+    """Greedy decoding by `transformers` under xgrammar's own logits processor for
+    transformers (the library's reference integration): the text Trellis must produce."""
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    eos = int(model.generation_config.eos_token_id)
+    info = xgr.TokenizerInfo.from_huggingface(
+        oracle.tokenizer, vocab_size=model.config.vocab_size, stop_token_ids=[eos]
+    )
+    compiler = xgr.GrammarCompiler(info)
+
+    def run(ids: list[int], schema: str, max_new_tokens: int) -> str:
+        compiled = compiler.compile_json_schema(schema, any_whitespace=False)
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=eos,
+                logits_processor=[xgr.contrib.hf.LogitsProcessor(compiled)],
+            )[0, len(ids) :].tolist()
+        if eos in out:
+            out = out[: out.index(eos)]
+        return oracle.tokenizer.decode(out, skip_special_tokens=True)
+
+    return run
+
+
+def test_chat_json_schema_is_held_to_the_schema(
+    base: str, name: str, oracle: Oracle, constrained_oracle: Callable[[list[int], str, int], str]
+) -> None:
+    client = openai_client(base)
+
+    def ask(**kwargs: Any) -> Any:  # noqa: ANN401 - the openai client's own types
+        return client.chat.completions.create(
+            model=name,
+            messages=BOOK_CHAT,
+            response_format=_json_schema_format(BOOK_SCHEMA),
+            **kwargs,
+        )
+
+    r = ask(max_tokens=96, temperature=0)
+    content = r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop", content
+    jsonschema.validate(json.loads(content), BOOK_SCHEMA)
+    want = constrained_oracle(oracle.chat_ids(BOOK_CHAT), json.dumps(BOOK_SCHEMA), 96)
+    assert content == want
+    # Streaming gives the same text.
+    stream = ask(max_tokens=96, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+    # Sampled answers validate too: the schema bounds every string, number and array, so an
+    # answer always ends (the grammar's end is EOS) within the token budget.
+    for seed in range(3):
+        sampled = ask(max_tokens=400, temperature=1.0, seed=seed).choices[0]
+        assert sampled.finish_reason == "stop", sampled.message.content
+        jsonschema.validate(json.loads(sampled.message.content), BOOK_SCHEMA)
+
+
+def test_chat_json_object_gives_an_object(base: str, name: str) -> None:
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={
+            "model": name,
+            "messages": [{"role": "user", "content": "List two colours in JSON."}],
+            "max_tokens": 64,
+            "temperature": 0,
+            "response_format": {"type": "json_object"},
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+    else:  # cut by max_tokens: still a prefix of an object
+        assert choice["message"]["content"].startswith("{")
+
+
+@pytest.mark.parametrize(
+    ("response_format", "said"),
+    [
+        ({"type": "xml"}, "response_format"),
+        ({"type": "json_schema"}, "json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}, "name"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+            'Unsupported type "nonsense"',  # the replica's grammar compiler refused it
+        ),
+    ],
+)
+def test_bad_response_formats_get_400(
+    base: str, name: str, response_format: dict[str, Any], said: str
+) -> None:
+    r = httpx.post(
+        f"{base}/v1/chat/completions",
+        json={"model": name, "messages": CHAT, "max_tokens": 8, "response_format": response_format},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error", error
+    assert error["param"].startswith("response_format"), error
+    assert said in error["message"], error
+
+
+def test_up_passes_speculation_flags_to_its_replicas(
+    model_dir: Path, oracle: Oracle, constrained_oracle: Callable[[list[int], str, int], str]
+) -> None:
     """`trellis up --model M --spec ngram --spec-draft-tokens 3`: each replica is started with
-    the flags, drafts with n-grams, and answers greedy requests exactly as without them."""
+    the flags, drafts with n-grams, and answers greedy requests exactly as without them,
+    structured output included (drafts are masked by the grammar like every token)."""
     c = start_up(model_dir, args=["--spec", "ngram", "--spec-draft-tokens", "3"])
     try:
         commands = list(c.replicas().values())
@@ -669,6 +805,15 @@ def test_up_passes_speculation_flags_to_its_replicas(model_dir: Path, oracle: Or
         want = [oracle.greedy(oracle.tokenizer(p)["input_ids"], 24) for p in PROMPTS]
         r = client.completions.create(model=c.name, prompt=PROMPTS, max_tokens=24, temperature=0)
         assert [ch.text for ch in r.choices] == [w[0] for w in want]
+        held = client.chat.completions.create(
+            model=c.name,
+            messages=BOOK_CHAT,
+            max_tokens=96,
+            temperature=0,
+            response_format=_json_schema_format(BOOK_SCHEMA),
+        )
+        want_json = constrained_oracle(oracle.chat_ids(BOOK_CHAT), json.dumps(BOOK_SCHEMA), 96)
+        assert held.choices[0].message.content == want_json
         drafted = sum(
             metric(text, "tulip_spec_drafted_tokens_total", method="ngram")
             for text in c.replica_metrics().values()

@@ -198,6 +198,7 @@ class GenerationBackend:
         import torch
 
         from rose.generate import GenerationConfig, GenerationEngine
+        from rose.grammar import Grammars
         from rose.hub import resolve_model
         from rose.kv.allocator import KVCacheConfig
         from rose.models.llama import LlamaForCausalLM
@@ -245,6 +246,7 @@ class GenerationBackend:
         k = spec.max_fed_drafts if config.spec != "none" else 0
         copies = 2 if config.spec in ("draft", "mtp") else 1
         pages = config.kv_pages or 2 * copies * math.ceil((context + k) / config.kv_page_size)
+        eos_ids = _eos_ids(model_dir, cfg.eos_token_ids)
         engine = GenerationEngine(
             model,
             GenerationConfig(
@@ -254,8 +256,9 @@ class GenerationBackend:
             ),
             drafter=drafter,
             mtp_head=head,
-            eos_ids=_eos_ids(model_dir, cfg.eos_token_ids),
+            eos_ids=eos_ids,
             detokenize=decode,
+            grammars=Grammars(model_dir, cfg.vocab_size, eos_ids),  # response_format
         )
         name = config.model_name or model_dir.name
         served = ServedModel(

@@ -13,6 +13,7 @@ import numpy as np
 
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.wire import WireError, unpack_token_batch
+from rose.grammar import GrammarError, JsonFormat
 from tulip.errors import InvalidInput
 
 __all__ = [
@@ -132,6 +133,7 @@ class GenerateWork:
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    response_format: JsonFormat | None = None  # None: free text
 
     def sampling_kwargs(self, max_tokens: int) -> dict[str, object]:
         """Keyword arguments of `rose.sampling.SamplingParams` (``max_tokens`` resolved)."""
@@ -144,6 +146,7 @@ class GenerateWork:
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
+            "response_format": self.response_format,
         }
 
 
@@ -201,6 +204,7 @@ def generate_work(request: pb.GenerateRequest, limits: ModelLimits) -> GenerateW
                 f"(size {limits.vocab_size})"
             )
     return GenerateWork(
+        response_format=_response_format(s),
         prompt_ids=ids.tolist(),
         max_tokens=int(max_tokens),
         temperature=float(s.temperature),
@@ -211,6 +215,22 @@ def generate_work(request: pb.GenerateRequest, limits: ModelLimits) -> GenerateW
         stop_token_ids=tuple(int(t) for t in s.stop_token_ids),
         ignore_eos=bool(s.ignore_eos),
     )
+
+
+def _response_format(s: pb.SamplingOptions) -> JsonFormat | None:
+    if not s.HasField("response_format"):
+        return None
+    fmt = s.response_format
+    if fmt.type == pb.ResponseFormat.TYPE_TEXT:
+        return None
+    if fmt.type == pb.ResponseFormat.TYPE_JSON_OBJECT:
+        return JsonFormat()
+    if fmt.type == pb.ResponseFormat.TYPE_JSON_SCHEMA:
+        try:
+            return JsonFormat(fmt.json_schema)
+        except GrammarError as error:
+            raise InvalidInput(f"sampling.response_format.{error}") from None
+    raise InvalidInput(f"sampling.response_format.type: unknown value {fmt.type}")
 
 
 def embed_work(request: pb.EmbedRequest, limits: ModelLimits) -> tuple[Work, EmbedOptions]:
