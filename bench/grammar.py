@@ -15,6 +15,11 @@ out.) Reported: compile time (first compile of each schema, cold) and the p50 / 
 mask + advance per token over 5 rounds. One thread, fp32 masks applied to nothing: the
 engines' own cost only.
 
+Then what a constrained request costs end to end: SmolLM2-135M-Instruct in ROSE's generation
+engine, greedy, one request at a time, the same chat prompts asking for JSON, generated
+tokens per second with ``response_format`` json_schema vs without (#24's bar: at most 15%
+fewer tokens/s).
+
     python -m bench grammar [--rounds=N]
 
 llguidance is a bench peer (`pip install -e .[bench]`); xgrammar is Trellis's dependency.
@@ -155,6 +160,74 @@ def _llguidance(tokenizer, vocab: int, eos: int) -> Callable:  # type: ignore[no
     return run
 
 
+ENGINE_PROMPTS = [
+    "Describe a famous novel as JSON.",
+    "Give me a JSON record for the city of Lyon.",
+    "Return a JSON object describing a search result about solar panels.",
+    "Summarize the plot of a detective story as JSON.",
+]
+ENGINE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "year": {"type": "integer", "minimum": 0, "maximum": 2100},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 4},
+        "summary": {"type": "string", "maxLength": 200},
+    },
+    "required": ["title", "year", "tags", "summary"],
+    "additionalProperties": False,
+}
+
+
+def _engine_cost(rounds: int, max_tokens: int = 96) -> list[tuple[str, float, int, float]]:
+    """(mode, tokens/s of the median round, tokens in it, seconds) with and without the
+    schema; rounds alternate which mode runs first."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from rose.assets import ensure_model
+    from rose.generate import GenerationEngine
+    from rose.grammar import Grammars, JsonFormat
+    from rose.models.llama import LlamaForCausalLM
+    from rose.sampling import SamplingParams
+
+    directory = ensure_model(MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32, device="cpu")
+    eos = [int(tokenizer.convert_tokens_to_ids("<|im_end|>"))]
+    engine = GenerationEngine(
+        model, eos_ids=eos, grammars=Grammars(directory, model.config.vocab_size, eos)
+    )
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True
+            )["input_ids"]
+        )
+        for p in ENGINE_PROMPTS
+    ]
+    modes = {
+        "free text": SamplingParams(max_tokens=max_tokens),
+        "json_schema": SamplingParams(
+            max_tokens=max_tokens, response_format=JsonFormat(json.dumps(ENGINE_SCHEMA))
+        ),
+    }
+    engine.generate(prompts[:1], modes["json_schema"])  # compile + warm up
+    runs: dict[str, list[tuple[float, int]]] = {m: [] for m in modes}
+    for r in range(rounds):
+        for mode in list(modes) if r % 2 == 0 else list(modes)[::-1]:
+            t0, tokens = time.perf_counter(), 0
+            for ids in prompts:  # one request at a time: batch-1 decoding
+                tokens += len(engine.generate([ids], modes[mode])[0].output_ids)
+            runs[mode].append((time.perf_counter() - t0, tokens))
+    out = []
+    for mode, done in runs.items():
+        rates = sorted((n / s, n, s) for s, n in done)
+        rate, n, seconds = rates[len(rates) // 2]
+        out.append((mode, rate, n, seconds))
+    return out
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench grammar")
     parser.add_argument("--rounds", type=int, default=5)
@@ -221,6 +294,25 @@ def main(argv: list[str]) -> int:
         + f". Lowest: **{best}**. A decode step of SmolLM2-135M on this CPU takes"
         " milliseconds, so either engine's mask is a small share of it; the per-token cost"
         " (paid every token) outweighs the compile cost (paid once per schema, and cached).",
+    ]
+    cost = _engine_cost(args.rounds)
+    for mode, rate, n, seconds in cost:
+        print(f"engine {mode:12s} {rate:7.1f} tokens/s ({n} tokens in {seconds:.1f} s)", flush=True)
+    free, held = cost[0][1], cost[1][1]
+    lines += [
+        "",
+        "## What a constrained request costs in the engine",
+        "",
+        "SmolLM2-135M-Instruct in ROSE's generation engine (fp32, CPU), greedy, one request at a"
+        f" time, the {len(ENGINE_PROMPTS)} chat prompts of `ENGINE_PROMPTS` asking for JSON, up"
+        f" to 96 new tokens each, {args.rounds} rounds alternating the order; the median round.",
+        "",
+        "| mode | tokens/s | tokens | seconds |",
+        "|---|---:|---:|---:|",
+        *(f"| {m} | {r:.1f} | {n} | {sec:.1f} |" for m, r, n, sec in cost),
+        "",
+        f"json_schema ÷ free text: **{held / free:.2f}x** tokens/s (#24's bar: at least 0.85x,"
+        f" {'met' if held / free >= 0.85 else 'NOT met'}).",
     ]
     import importlib.metadata as md
 
