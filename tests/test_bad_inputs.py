@@ -431,9 +431,9 @@ def chat() -> list[Case]:
         post("functions", p, with_(p, functions=[{"name": "f"}]), param="functions"),
         post("function-call", p, with_(p, function_call={"name": "f"}), param="function_call"),
         post(
-            "response-format-json",
+            "response-format-unknown",
             p,
-            with_(p, response_format={"type": "json_object"}),
+            with_(p, response_format={"type": "xml"}),
             param="response_format",
         ),
         post("presence-penalty", p, with_(p, presence_penalty=0.5), param="presence_penalty"),
