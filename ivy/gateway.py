@@ -744,35 +744,49 @@ class Gateway:
             per_doc = req.max_tokens_per_doc or _DEFAULT_MAX_TOKENS_PER_DOC
         left = req.truncation_direction.lower() == "left"
         self.check_count(len(docs), param, "documents")
+        spec = model.spec
+        # Everything about the request is checked before it is admitted: a query with no
+        # room for a document is a 400 however busy the replicas are.
+        if spec.kind == CROSS_ENCODER:
+            if left:
+                raise ValidationError(
+                    "truncation_direction `left` is not supported for cross-encoders "
+                    "(pairs are cut at the document's end).",
+                    param="truncation_direction",
+                )
+            template = model.pair_template
+            if template is None:
+                # sentence-transformers' `prompt` goes before the query.
+                query = (req.instruction or "") + req.query
+                q_ids, _ = model.tokenizer.encode_batch_packed([query], False, None)
+                _, specials, _ = model.tokenizer.encode_pairs_packed("", [""], None)
+                fixed = int(q_ids.size) + int(specials[0])
+                _check_room(fixed, spec.max_input_tokens, "with the pair's special tokens")
+            else:
+                fixed = int(_render_pair(model, template, req, "").size)
+                _check_room(fixed, spec.max_input_tokens, "in the model's prompt")
+        else:
+            q_prompt = (
+                model.instructed_prompt(req.instruction) if req.instruction else spec.query_prompt
+            )
+            q_ids, q_len = await self._tokenize(
+                model, [q_prompt + req.query], truncate=False, param="query"
+            )
         deadline, claim = self._admit(name, docs)
         with claim:
-            spec = model.spec
             if spec.kind == CROSS_ENCODER:
-                if left:
-                    raise ValidationError(
-                        "truncation_direction `left` is not supported for cross-encoders "
-                        "(pairs are cut at the document's end).",
-                        param="truncation_direction",
-                    )
-                template = model.pair_template
                 if template is not None:
                     with tracing.span("tokenize", inputs=len(docs)):
                         ids, lengths = await asyncio.to_thread(
-                            _template_pairs, model, template, req, docs, per_doc, cut
+                            _template_pairs, model, template, req, docs, per_doc, cut, fixed
                         )
                     first = lengths.astype(np.uint32)  # one segment: the rendered prompt
                 else:
-                    # sentence-transformers' `prompt` goes before the query.
-                    query = (req.instruction or "") + req.query
                     # Pairs as `tokenizer(query, document)` builds them. Only documents are
                     # cut: to max_tokens_per_doc of their own tokens, and so that the pair
                     # fits the model (HF's "only_second"; the "longest_first" of
                     # sentence-transformers' CrossEncoder cuts the same tokens whenever the
                     # query takes at most half of the room).
-                    q_ids, _ = model.tokenizer.encode_batch_packed([query], False, None)
-                    _, specials, _ = model.tokenizer.encode_pairs_packed("", [""], None)
-                    fixed = int(q_ids.size) + int(specials[0])
-                    _check_room(fixed, spec.max_input_tokens, "with the pair's special tokens")
                     max_len = spec.max_input_tokens
                     if per_doc is not None:
                         max_len = min(max_len, fixed + per_doc)
@@ -800,13 +814,7 @@ class Gateway:
                 scores = raw[:, 0] if raw.ndim == 2 else raw
                 tokens = int(ids.size)
             else:
-                q_prompt = (
-                    model.instructed_prompt(req.instruction)
-                    if req.instruction
-                    else spec.query_prompt
-                )
-                texts = [q_prompt + req.query] + [spec.document_prompt + d for d in docs]
-                q_ids, q_len = await self._tokenize(model, texts[:1], truncate=False, param="query")
+                docs_in = [spec.document_prompt + d for d in docs]
                 max_length = None
                 if per_doc is not None:
                     # max_tokens_per_doc counts the document's own tokens, not prompt and
@@ -818,7 +826,7 @@ class Gateway:
                 with tracing.span("tokenize", inputs=len(docs)):
                     d_ids, d_len = await self._tokenize(
                         model,
-                        texts[1:],
+                        docs_in,
                         truncate=cut,
                         max_length=max_length,
                         left=left,
@@ -942,6 +950,19 @@ def _check_room(fixed: int, limit: int, with_what: str) -> None:
         )
 
 
+def _render_pair(
+    model: ServedModel, template: PairTemplate, req: RerankRequest, doc: str
+) -> np.ndarray:
+    """Ids of the (query, `doc`) prompt rendered by the model's chat template, tokenized as
+    one prompt (special-token text in the query, document or instruction stays text)."""
+    tok = model.tokenizer
+    messages = template.messages(req.query, doc, req.instruction)
+    rendered = template.template.render_prompt(
+        messages, tok.special_tokens, add_generation_prompt=template.add_generation_prompt
+    )
+    return tok.encode_prompt(rendered.text, rendered.literals)
+
+
 def _template_pairs(
     model: ServedModel,
     template: PairTemplate,
@@ -949,23 +970,18 @@ def _template_pairs(
     docs: Sequence[str],
     per_doc: int | None,
     cut: bool,
+    fixed: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Packed ids and lengths of (query, document) pairs rendered by the model's chat
-    template (`PairTemplate`), tokenized as one prompt each (special-token text in the query,
-    document or instruction stays text). A pair over the limit, when cutting, keeps the
-    longest start of its document that fits (the template's own text stays whole)."""
+    template (`PairTemplate`, `_render_pair`); `fixed`: the tokens of the prompt with an
+    empty document. A pair over the limit, when cutting, keeps the longest start of its
+    document that fits (the template's own text stays whole)."""
     tok = model.tokenizer
 
     def encode(doc: str) -> np.ndarray:
-        messages = template.messages(req.query, doc, req.instruction)
-        rendered = template.template.render_prompt(
-            messages, tok.special_tokens, add_generation_prompt=template.add_generation_prompt
-        )
-        return tok.encode_prompt(rendered.text, rendered.literals)
+        return _render_pair(model, template, req, doc)
 
     limit = model.spec.max_input_tokens
-    fixed = int(encode("").size)
-    _check_room(fixed, limit, "in the model's prompt")
     max_len = limit if per_doc is None else min(limit, fixed + per_doc)
     rows: list[np.ndarray] = []
     for doc in docs:

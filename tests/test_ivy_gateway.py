@@ -382,6 +382,10 @@ def test_retry_on_other_replica_then_429_then_503(
     seen = a.received + b.received
     assert_error(client.post("/v1/embeddings", json={"input": "w1", "model": "fake"}), 429)
     assert a.received + b.received == seen  # ... without asking them
+    # A query with no room for a document is a 400 however busy the replicas are (it is
+    # checked before admission; CI once saw this 429 after a busy test).
+    long_query = {"model": "fake", "query": " ".join(["w1"] * 40), "documents": ["w2"]}
+    assert_error(client.post("/v1/rerank", json=long_query), 400, "query")
     time.sleep(SATURATED_SECONDS + 0.05)
     a.mode = b.mode = "unavailable"
     assert_error(client.post("/v1/embeddings", json={"input": "w1", "model": "fake"}), 503)
