@@ -35,7 +35,7 @@ from rose.grammar import GrammarError, Grammars
 from rose.kv.allocator import KVCacheConfig, PageAllocator
 from rose.models.llama import LlamaForCausalLM
 from rose.runner import Chunk, ModelRunner, PassOutput
-from rose.sampling import FinishReason, SamplingParams, StopChecker
+from rose.sampling import FinishReason, SamplingParams, StopChecker, TokenLogprob, token_logprobs
 from rose.scheduler import CapacityError, Request, Scheduled, Scheduler
 from rose.spec.acceptance import accept
 from rose.spec.config import SpecConfig
@@ -81,11 +81,13 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Tokens a sequence emitted in one step; finish_reason set on its last step."""
+    """Tokens a sequence emitted in one step; finish_reason set on its last step.
+    logprobs: one per new id when the request asked (`SamplingParams.logprobs`), else None."""
 
     seq_id: int
     new_ids: list[int]
     finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class GenerationResult:
     output_ids: list[int]
     finish_reason: FinishReason
     text: str | None  # decoded output (cut before a stop string) when a detokenizer is set
+    logprobs: list[TokenLogprob] | None = None  # one per output id when the request asked
 
 
 class GenerationEngine:
@@ -198,11 +201,18 @@ class GenerationEngine:
             return []
         p = self.proposer
         # greedy chains accepted on the device and the next ones drafted right after the pass
-        # (not with a grammar: its masks are made on the host, before acceptance)
+        # (not with a grammar: its masks are made on the host, before acceptance; nor when a
+        # request wants logprobs: they read the verified rows, which stay on the device)
         constrained = any(s.request.grammar is not None for s in batch)
+        scored = [
+            i for i, s in enumerate(batch) if s.emits and s.request.params.logprobs is not None
+        ]
         chain = (
             p
-            if isinstance(p, DeviceChainProposer) and not constrained and p.chains_on_device(batch)
+            if isinstance(p, DeviceChainProposer)
+            and not constrained
+            and not scored
+            and p.chains_on_device(batch)
             else None
         )
         chunks = [
@@ -231,6 +241,7 @@ class GenerationEngine:
             argmax = out.logits.argmax(-1).tolist() if greedy else []
             verify_s = time.perf_counter() - t0
             outcomes = [self._accept(s, out, argmax, i) for i, s in enumerate(batch)]
+        logprobs = self._logprobs(batch, out, outcomes, scored) if scored else {}
         outputs: list[StepOutput] = []
         for i, (s, outcome) in enumerate(zip(batch, outcomes, strict=True)):
             path = [] if outcome is None else outcome[0]
@@ -238,7 +249,7 @@ class GenerationEngine:
             if p is not None and chain is None:  # on the device, `settle` did this
                 p.accept(s.request, self._verified(s, path, out, i))
             if outcome is not None:
-                outputs.append(self._emit(s.request, outcome))
+                outputs.append(self._emit(s.request, outcome, logprobs.get(i)))
         if any(s.drafts for s in batch):
             self.stats.verify_s += verify_s
         sched.retire(batch)
@@ -251,8 +262,13 @@ class GenerationEngine:
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         ids = [self.add(p, sp) for p, sp in zip(prompts, plist, strict=True)]
         reqs = {r.seq_id: r for r in self.scheduler.waiting if r.seq_id in ids}
+        logprobs: dict[int, list[TokenLogprob]] = {
+            i: [] for i in ids if reqs[i].params.logprobs is not None
+        }
         while any(reqs[i].finish_reason is None for i in ids):
-            self.step()
+            for o in self.step():
+                if o.logprobs is not None and o.seq_id in logprobs:
+                    logprobs[o.seq_id].extend(o.logprobs)
         out = []
         for i in ids:
             r = reqs[i]
@@ -261,7 +277,14 @@ class GenerationEngine:
                 text = self.detokenize(r.output_ids)
             assert r.finish_reason is not None
             out.append(
-                GenerationResult(i, r.tokens[: r.prompt_len], r.output_ids, r.finish_reason, text)
+                GenerationResult(
+                    i,
+                    r.tokens[: r.prompt_len],
+                    r.output_ids,
+                    r.finish_reason,
+                    text,
+                    logprobs.get(i),
+                )
             )
         return out
 
@@ -313,6 +336,46 @@ class GenerationEngine:
             r.proposal, out.logits[row : row + n], argmax[row : row + n], r.params, r.generator
         )
 
+    @staticmethod
+    def _logprobs(
+        batch: list[Scheduled],
+        out: PassOutput,
+        outcomes: list[tuple[list[int], int] | None],
+        scored: list[int],
+    ) -> dict[int, list[TokenLogprob]]:
+        """Log probabilities (`rose.sampling.token_logprobs`) of every token the requests
+        at ``scored`` (batch indices) may emit this step: the kept drafts then the next
+        token, each from the target's row that produced it (a draft the target accepted
+        gets the target's logprob, not the drafter's). Root row 0 (the last pending
+        token) produced the first; draft node ``j`` sits at row ``1 + j`` and produced the
+        token after it on the path. One gather and one top-k for the whole step."""
+        rows: list[int] = []
+        chosen: list[int] = []
+        spans: list[tuple[int, int, int]] = []  # (batch index, first, count) in rows
+        for i in scored:
+            outcome = outcomes[i]
+            if outcome is None:
+                continue
+            path, nxt = outcome
+            drafts = batch[i].drafts
+            base = out.rows[i]
+            spans.append((i, len(rows), len(path) + 1))
+            rows += [base] + [base + 1 + j for j in path]
+            chosen += [drafts[j] for j in path] + [nxt]
+        if not rows:
+            return {}
+        top = max(batch[i].request.params.logprobs or 0 for i, _, _ in spans)
+        index = torch.tensor(rows, dtype=torch.int64, device=out.logits.device)
+        scores = token_logprobs(out.logits.index_select(0, index), chosen, top)
+        result = {}
+        for i, first, count in spans:
+            k = batch[i].request.params.logprobs or 0
+            result[i] = [
+                TokenLogprob(t.logprob, t.top_ids[:k], t.top_logprobs[:k])
+                for t in scores[first : first + count]
+            ]
+        return result
+
     def _keep(self, s: Scheduled, path: list[int], emits: bool) -> None:
         """Record the step and cut ``s``'s target table to the tokens the pass kept (its
         pending tokens and the drafts at ``path``), moving a tree's kept alternative next
@@ -353,12 +416,20 @@ class GenerationEngine:
         the device: nothing between the pass and the step's one read back reads it."""
         return chain.outcome_on_device(batch, out)
 
-    def _emit(self, r: Request, outcome: tuple[list[int], int]) -> StepOutput:
-        """Append the kept drafts and the next token (`_append`); what ``r`` emitted."""
+    def _emit(
+        self,
+        r: Request,
+        outcome: tuple[list[int], int],
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> StepOutput:
+        """Append the kept drafts and the next token (`_append`); what ``r`` emitted, with
+        the logprobs of those it emitted (``logprobs``: one per candidate token)."""
         path, nxt = outcome
         drafts = [] if r.proposal is None else r.proposal.tokens
         self._append(r, [drafts[j] for j in path] + [nxt])
-        emitted = StepOutput(r.seq_id, r.new_ids, r.finish_reason)
+        # the emitted ids are a prefix of the candidates (`_append` stops at the finish)
+        kept = None if logprobs is None else logprobs[: len(r.new_ids)]
+        emitted = StepOutput(r.seq_id, r.new_ids, r.finish_reason, kept)
         r.new_ids = []
         return emitted
 

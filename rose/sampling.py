@@ -10,6 +10,7 @@ Example::
     gen = params.generator()
     probs = token_probs(logits, params)          # [N, V]
     ids = sample(probs, params, gen)             # [N]
+    token_logprobs(logits, ids.tolist(), top=5)  # what the OpenAI API calls logprobs
 """
 
 from __future__ import annotations
@@ -22,14 +23,19 @@ import torch
 from rose.grammar import JsonFormat
 
 __all__ = [
+    "MAX_TOP_LOGPROBS",
     "FinishReason",
     "SamplingParams",
     "StopChecker",
+    "TokenLogprob",
     "sample",
+    "token_logprobs",
     "token_probs",
 ]
 
 FinishReason = str  # "stop" (EOS / stop string / stop token) or "length" (max_tokens)
+
+MAX_TOP_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,8 @@ class SamplingParams:
     before them). stop_token_ids: extra ids that end generation like EOS. ignore_eos:
     keep generating past the model's EOS ids. response_format: hold the output to a JSON
     format (`rose.grammar`; None: free text); it ends at the grammar's end (an EOS id).
+    logprobs: report each generated token's log probability with this many most likely
+    alternatives (0..MAX_TOP_LOGPROBS; `token_logprobs`); None: none are computed.
     """
 
     max_tokens: int = 256
@@ -54,6 +62,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     response_format: JsonFormat | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -68,6 +77,10 @@ class SamplingParams:
             raise ValueError("sampling.stop must not contain empty strings")
         if self.response_format is not None and self.ignore_eos:
             raise ValueError("sampling.ignore_eos cannot be used with a response_format")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"sampling.logprobs must be in 0..{MAX_TOP_LOGPROBS} or None, got {self.logprobs}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -113,6 +126,42 @@ def sample(
     if params.greedy:
         return probs.argmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log probability, and the most likely tokens at its position
+    (most likely first; tokens the grammar forbids are left out)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, chosen: Sequence[int], top: int) -> list[TokenLogprob]:
+    """logits ``[M, V]``: the target's rows that produced the tokens ``chosen`` (``M``
+    ids) → each token's log probability and the ``top`` most likely tokens of its row.
+
+    The distribution is ``log_softmax`` of the raw logits in fp32 (vLLM's default "raw
+    logprobs"): temperature, top-k and top-p, which shape only how a token is drawn, are
+    not applied, so the numbers are the model's own whatever the sampling settings. The one
+    exception is a constrained request's grammar mask (`rose.grammar`), applied to the rows
+    before they get here: the masked distribution is the one its tokens come from, and
+    forbidden tokens (-inf) are left out of the alternatives. One read back for all rows.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [M, V]
+    ids = torch.tensor(list(chosen), dtype=torch.int64, device=lp.device)  # [M]
+    picked = lp.gather(-1, ids[:, None])  # [M, 1]
+    k = min(top, lp.shape[-1])
+    values, indices = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0])  # [M, k] each
+    # fp64 holds fp32 values and vocabulary ids exactly: one tensor, one read back
+    rows = torch.cat([picked.double(), values.double(), indices.double()], dim=-1).tolist()
+    out = []
+    for row in rows:
+        alts = [(int(i), v) for v, i in zip(row[1 : 1 + k], row[1 + k :], strict=True)]
+        alts = [(i, v) for i, v in alts if v != float("-inf")]
+        out.append(TokenLogprob(row[0], tuple(i for i, _ in alts), tuple(v for _, v in alts)))
+    return out
 
 
 class StopChecker:

@@ -494,6 +494,11 @@ class GenerationBackend:
         request.completion_tokens += len(output.new_ids)
         text = request.text.push(output.new_ids, output.finish_reason)
         response = pb.GenerateResponse(token_ids=output.new_ids, text=text)
+        if output.logprobs is not None:  # one per token id, beside them
+            response.logprobs.extend(
+                pb.TokenLogprob(logprob=t.logprob, top_ids=t.top_ids, top_logprobs=t.top_logprobs)
+                for t in output.logprobs
+            )
         if output.finish_reason is not None:
             del self._live[output.seq_id]
             response.finish_reason = _FINISH.get(output.finish_reason, pb.FINISH_REASON_STOP)

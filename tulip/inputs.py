@@ -18,6 +18,7 @@ from tulip.errors import InvalidInput
 
 __all__ = [
     "MAX_STOP_STRINGS",
+    "MAX_TOP_LOGPROBS",
     "OUTPUT_NAMES",
     "EmbedOptions",
     "GenerateWork",
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per generated token's logprobs (`rose.sampling.MAX_TOP_LOGPROBS`)."""
 """Most stop strings one Generate request may give."""
 
 _POOLING = {
@@ -134,6 +137,7 @@ class GenerateWork:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     response_format: JsonFormat | None = None  # None: free text
+    logprobs: int | None = None  # alternatives per token's logprobs; None: no logprobs
 
     def sampling_kwargs(self, max_tokens: int) -> dict[str, object]:
         """Keyword arguments of `rose.sampling.SamplingParams` (``max_tokens`` resolved)."""
@@ -147,6 +151,7 @@ class GenerateWork:
             "stop_token_ids": self.stop_token_ids,
             "ignore_eos": self.ignore_eos,
             "response_format": self.response_format,
+            "logprobs": self.logprobs,
         }
 
 
@@ -203,8 +208,14 @@ def generate_work(request: pb.GenerateRequest, limits: ModelLimits) -> GenerateW
                 f"sampling.stop_token_ids[{i}]: token id {token} is outside the vocabulary "
                 f"(size {limits.vocab_size})"
             )
+    logprobs = int(s.top_logprobs) if s.HasField("top_logprobs") else None
+    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidInput(
+            f"sampling.top_logprobs: {logprobs} alternatives, at most {MAX_TOP_LOGPROBS}"
+        )
     return GenerateWork(
         response_format=_response_format(s),
+        logprobs=logprobs,
         prompt_ids=ids.tolist(),
         max_tokens=int(max_tokens),
         temperature=float(s.temperature),

@@ -1,0 +1,194 @@
+"""Generation logprobs (`SamplingParams.logprobs`) on a small random Llama, against
+`transformers` on the same weights: each emitted token's logprob and its top alternatives
+are ``log_softmax`` of the reference's logits at the position that produced it, with and
+without speculation (accepted drafts carry the target's numbers, not the drafter's), for
+greedy and sampled requests, and requests that did not ask get none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from rose.generate import GenerationConfig, GenerationEngine, GenerationResult
+from rose.models.llama import LlamaForCausalLM
+from rose.sampling import SamplingParams, TokenLogprob, token_logprobs
+from rose.spec import SpecConfig
+from rose.spec.mtp import MTPHead, MTPHeadConfig
+
+VOCAB = 97
+TOL = 1e-4  # fp32 CPU, max abs logprob difference
+TOP = 5
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, LlamaForCausalLM]:
+    """(transformers reference, the same weights loaded by rose)."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # logits spread out, so top-k has no near ties
+    )
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    path = Path(tmp_path_factory.mktemp("logprobs")) / "llama"
+    ref.save_pretrained(path, safe_serialization=True)
+    return ref, LlamaForCausalLM.from_pretrained(path).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for i in range(8):
+        ids = torch.randint(0, VOCAB, (4 + (i * 5) % 17,), generator=g).tolist()
+        out.append(ids + ids[: len(ids) // 2] if i % 2 else ids)  # repeats: n-gram drafts
+    return out
+
+
+def reference(ref: torch.nn.Module, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """log_softmax of the reference's logits at every position that produced an output
+    token: ``[len(output), V]``."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = ref(ids).logits[0].float()  # [T, V]
+    return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+
+
+def check(ref: torch.nn.Module, prompt: list[int], r: GenerationResult, top: int) -> None:
+    assert r.logprobs is not None
+    assert len(r.logprobs) == len(r.output_ids)
+    want = reference(ref, prompt, r.output_ids)
+    for t, (tok, got) in enumerate(zip(r.output_ids, r.logprobs, strict=True)):
+        assert got.logprob == pytest.approx(want[t, tok].item(), abs=TOL), t
+        values, ids = want[t].topk(top)
+        assert list(got.top_logprobs) == pytest.approx(values.tolist(), abs=TOL), t
+        assert list(got.top_ids) == ids.tolist(), t
+
+
+def test_greedy_logprobs_equal_transformers(
+    models: tuple[torch.nn.Module, LlamaForCausalLM], prompts: list[list[int]]
+) -> None:
+    ref, ours = models
+    eng = GenerationEngine(ours, GenerationConfig(max_batch=4))
+    results = eng.generate(prompts, SamplingParams(max_tokens=12, logprobs=TOP))
+    for prompt, r in zip(prompts, results, strict=True):
+        check(ref, prompt, r, TOP)
+        # greedy: the emitted token is the most likely one
+        assert all(
+            lp.top_ids[0] == tok for lp, tok in zip(r.logprobs or [], r.output_ids, strict=True)
+        )
+
+
+def _spec_engine(ours: LlamaForCausalLM, method: str) -> GenerationEngine:
+    torch.manual_seed(4)
+    if method == "draft-self":  # the target drafting for itself: every draft is kept
+        spec = SpecConfig(method="draft", num_draft_tokens=3)
+        return GenerationEngine(ours, GenerationConfig(max_batch=4, spec=spec), drafter=ours)
+    if method.startswith("mtp"):
+        head = MTPHead(MTPHeadConfig.for_target(ours.config)).eval()
+        chain = "on" if method == "mtp-device" else "off"
+        widths = (3, 2) if method == "mtp-tree" else ()
+        spec = SpecConfig(method="mtp", num_draft_tokens=3, device_chain=chain, tree_widths=widths)
+        return GenerationEngine(ours, GenerationConfig(max_batch=4, spec=spec), mtp_head=head)
+    spec = SpecConfig(method=method, num_draft_tokens=4)
+    return GenerationEngine(ours, GenerationConfig(max_batch=4, spec=spec))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft-self", "mtp-tree", "mtp-device"])
+def test_speculative_logprobs_equal_plain_logprobs(
+    models: tuple[torch.nn.Module, LlamaForCausalLM], prompts: list[list[int]], method: str
+) -> None:
+    """Accepted drafts get the target's logprobs at the rows that verified them: the
+    numbers (and tokens) equal decoding without speculation, and transformers'."""
+    ref, ours = models
+    params = SamplingParams(max_tokens=16, logprobs=TOP)
+    plain = GenerationEngine(ours, GenerationConfig(max_batch=4)).generate(prompts, params)
+    eng = _spec_engine(ours, method)
+    results = eng.generate(prompts, params)
+    if method in ("ngram", "draft-self"):
+        assert eng.stats.accepted > 0  # drafts were kept, so their rows were read
+    for prompt, a, b in zip(prompts, plain, results, strict=True):
+        assert b.output_ids == a.output_ids
+        assert a.logprobs is not None and b.logprobs is not None
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert y.logprob == pytest.approx(x.logprob, abs=TOL)
+            assert y.top_ids == x.top_ids
+            assert list(y.top_logprobs) == pytest.approx(list(x.top_logprobs), abs=TOL)
+        check(ref, prompt, b, TOP)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_sampled_tokens_get_their_raw_logprob(
+    models: tuple[torch.nn.Module, LlamaForCausalLM], prompts: list[list[int]], method: str
+) -> None:
+    """Temperature and top-p shape the draw, not the reported numbers (raw logprobs)."""
+    ref, ours = models
+    spec = SpecConfig(method=method, num_draft_tokens=3)
+    eng = GenerationEngine(ours, GenerationConfig(max_batch=4, spec=spec))
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=i, logprobs=2)
+        for i in range(len(prompts))
+    ]
+    for prompt, r in zip(prompts, eng.generate(prompts, params), strict=True):
+        check(ref, prompt, r, 2)
+
+
+def test_only_requests_that_ask_get_logprobs(
+    models: tuple[torch.nn.Module, LlamaForCausalLM], prompts: list[list[int]]
+) -> None:
+    ref, ours = models
+    eng = GenerationEngine(ours, GenerationConfig(max_batch=8))
+    params = [
+        SamplingParams(max_tokens=6, logprobs=None if i % 3 == 0 else i % 3 - 1)
+        for i in range(len(prompts))
+    ]
+    for i, (prompt, r) in enumerate(zip(prompts, eng.generate(prompts, params), strict=True)):
+        if i % 3 == 0:
+            assert r.logprobs is None
+        else:
+            check(ref, prompt, r, i % 3 - 1)  # logprobs=0: the token's own, no alternatives
+
+
+def test_logprobs_stop_with_the_output(
+    models: tuple[torch.nn.Module, LlamaForCausalLM], prompts: list[list[int]]
+) -> None:
+    """An EOS inside an accepted chain (the target drafting for itself keeps every draft)
+    ends the output; the logprobs end with it, one per emitted token."""
+    ref, ours = models
+    params = SamplingParams(max_tokens=16, logprobs=1)
+    [plain] = GenerationEngine(ours).generate([prompts[1]], params)
+    eos = plain.output_ids[5]
+    stop_at = plain.output_ids.index(eos)
+    spec = SpecConfig(method="draft", num_draft_tokens=4)
+    eng = GenerationEngine(ours, GenerationConfig(spec=spec), drafter=ours, eos_ids=(eos,))
+    [r] = eng.generate([prompts[1]], params)
+    assert r.output_ids == plain.output_ids[:stop_at]
+    assert r.finish_reason == "stop"
+    check(ref, prompts[1], r, 1)
+
+
+def test_token_logprobs_leaves_out_forbidden_tokens() -> None:
+    logits = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")]])
+    [t] = token_logprobs(logits, [2], top=3)
+    want = torch.log_softmax(logits, -1)
+    assert t == TokenLogprob(
+        pytest.approx(want[0, 2].item()),  # type: ignore[arg-type]
+        (2, 0),
+        (pytest.approx(want[0, 2].item()), pytest.approx(want[0, 0].item())),  # type: ignore[arg-type]
+    )
+
+
+def test_logprobs_is_validated() -> None:
+    with pytest.raises(ValueError, match="sampling.logprobs"):
+        SamplingParams(logprobs=21)
+    with pytest.raises(ValueError, match="sampling.logprobs"):
+        SamplingParams(logprobs=-1)
