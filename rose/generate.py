@@ -33,6 +33,7 @@ import torch
 
 from rose.grammar import GrammarError, Grammars
 from rose.kv.allocator import KVCacheConfig, PageAllocator
+from rose.kv.prefix import PrefixCache
 from rose.models.llama import LlamaForCausalLM
 from rose.runner import Chunk, ModelRunner, PassOutput
 from rose.sampling import FinishReason, SamplingParams, StopChecker, TokenLogprob, token_logprobs
@@ -62,12 +63,16 @@ class GenerationConfig:
     """kv: page pool shared by target and proposer. max_batch: most running sequences.
     max_step_tokens: most tokens one pass feeds (prefills are chunked to fit, drafts dropped;
     0: no limit, else at least max_batch so that every decode fits).
-    spec: speculation method and draft length."""
+    spec: speculation method and draft length. prefix_cache: reuse the KV pages of prompt
+    prefixes seen before (`rose.kv.prefix`); on only when the proposer keeps no state of its
+    own per prompt token (no cache, no target features: none or n-gram), see
+    `GenerationEngine.prefix_cache_off_reason`."""
 
     kv: KVCacheConfig = KVCacheConfig()
     max_batch: int = 32
     max_step_tokens: int = 0
     spec: SpecConfig = SpecConfig()
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
@@ -127,6 +132,9 @@ class GenerationEngine:
         self.proposer = build_proposer(
             ProposerInputs(config.spec, model, self.allocator, self.page_size, drafter, mtp_head)
         )
+        self.prefix_cache_off_reason = self._prefix_cache_off_reason()
+        if self.prefix_cache_off_reason is None:  # before any page is handed out
+            self.allocator.prefix = PrefixCache(self.page_size)
         self.runner = ModelRunner(model, config.kv.num_pages, self.page_size)
         self.device = self.runner.device
         self.scheduler = Scheduler(
@@ -184,6 +192,20 @@ class GenerationEngine:
         """Most tokens (prompt + generated) one sequence can ever hold in the page pool, by
         the worst-case admission rule (room for a pass of drafts, the proposer's cache)."""
         return self.scheduler.max_sequence_tokens
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.allocator.prefix
+
+    def _prefix_cache_off_reason(self) -> str | None:
+        """Why this engine runs without a prefix cache (None: it has one)."""
+        if not self.config.prefix_cache:
+            return "turned off"
+        p = self.proposer
+        if p is not None and (p.kv_copies or p.target_features):
+            # its cache / features of an adopted prefix were never computed
+            return f"--spec {self.config.spec.method} keeps per-token state of its own"
+        return None
 
     # ---------------------------------------------------------------------- step
     @torch.no_grad()

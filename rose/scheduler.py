@@ -5,16 +5,21 @@ target cache holds (``table.length``, the computed tokens), how many more it may
 (``params.max_tokens``) and the drafts proposed for its next pass. Each step the scheduler
 
 1. admits waiting requests while the batch has room and their prompt's pages are free
-   (`admit`; the first request always gets in when its prompt fits, so the pool never idles);
+   (`admit`; the first request always gets in when its prompt fits, so the pool never idles),
+   starting each on the cached pages of its prompt's longest cached prefix when the
+   allocator has a prefix cache (`rose.kv.prefix`);
 2. sizes every decoding request's drafts (`draft_room_for`; the engine asks its proposer
    for them, `rose.spec.proposer`);
 3. fits the pass to the per-step token budget (decodes' own tokens first, then drafts and
    prefill chunks in running order) and reserves the pages each request's share writes,
    preempting from the back of the running list when the pool runs dry (a preempted
    request frees every page, its proposer state included, and is recomputed from its
-   tokens when readmitted) (`schedule`).
+   tokens when readmitted) (`schedule`);
+4. after the pass, registers the pages the pass filled in the prefix cache and retires
+   finished requests (`retire`).
 
-Invariants: a page is owned by at most one table (`rose.kv.allocator`); a running request
+Invariants: a page is written by at most one table, the only one holding it unless it is a
+registered page, which nobody writes (`rose.kv.allocator`, `rose.kv.prefix`); a running request
 holds ``tokens[: table.length]`` in the target cache and ``table.length < len(tokens)``
 between steps; drafts only ride on a request whose cache lacks just its last token (a
 decode), so a chunk that stops short of the end of its request's tokens has none.
@@ -185,13 +190,21 @@ class Scheduler:
         running set keeps room for one pass of drafts free: backpressure)."""
         while self.waiting and len(self.running) < self.max_batch:
             r = self.waiting[0]
+            prefix = self.allocator.prefix
+            if prefix is not None:  # at least the last token is computed: it gives the logits
+                r.table.adopt(*prefix.lookup(r.tokens, len(r.tokens) - 1))
             need = r.table.pages_needed(len(r.tokens) + self.draft_room)
             if self.running and not self.allocator.can_allocate(need):
+                r.table.release()
                 return
             try:
                 r.table.reserve(len(r.tokens))
             except OutOfPages:
+                r.table.release()
                 return
+            if prefix is not None:
+                prefix.stats.queried_tokens += len(r.tokens)
+                prefix.stats.hit_tokens += r.table.length
             self.running.append(self.waiting.popleft())
 
     def draft_room_for(self, r: Request, k_max: int, adaptive: bool) -> int:
@@ -230,9 +243,11 @@ class Scheduler:
         return out  # a victim is always at or after the request it made room for
 
     def retire(self, batch: Sequence[Scheduled]) -> None:
-        """Finished requests leave the running set and return their pages."""
+        """Register the pages the pass filled (`BlockTable.commit`); finished requests
+        leave the running set and return their pages (registered ones stay cached)."""
         for s in batch:
             r = s.request
+            r.table.commit(r.tokens)
             if r.finish_reason is not None:
                 self.running.remove(r)
                 r.release()

@@ -216,6 +216,9 @@ def test_generation_flags_and_env() -> None:
         ["--model", "m", "--spec", "mtp", "--mtp-head", "h"], {"TULIP_SPEC_CHAIN_MIN_PROB": "0.2"}
     )
     assert stop.spec_chain_min_prob == 0.2
+    assert default.prefix_cache
+    assert not TulipConfig.from_args(["--model", "m", "--no-prefix-cache"], {}).prefix_cache
+    assert not TulipConfig.from_args(["--model", "m"], {"TULIP_PREFIX_CACHE": "0"}).prefix_cache
 
 
 @pytest.mark.parametrize(
@@ -458,6 +461,34 @@ def test_streamed_greedy_equals_engine_transformers_and_hf_decode(
         )
     hf_ids = [t for t in out[0, len(prompt) :].tolist() if t != 2]
     assert ids_of(got[QUESTIONS[0]]) == hf_ids
+
+
+def test_a_repeated_prompt_prefix_is_served_from_the_prefix_cache(
+    server: TulipProcess,
+    tok: tokenizers.Tokenizer,
+    reference: dict[str, tuple[list[int], str]],
+) -> None:
+    """The same chat prompt twice, one after the other: the second one's prefill starts
+    after its cached pages (counted in the metrics), and both answers are the reference's."""
+    prompt = chat(QUESTIONS[2], tok)
+
+    async def main() -> list[list[pb.GenerateResponse]]:
+        async with TulipClient(server.target) as client:
+            first = await collect(client, prompt)
+            await wait_idle(server)
+            before = server.metrics()
+            second = await collect(client, prompt)
+            after = await wait_idle(server)
+            hit = "tulip_prefix_cache_hit_tokens_total"
+            queried = "tulip_prefix_cache_queried_tokens_total"
+            # every whole page but the one holding the last prompt token
+            assert sample(after, hit) - sample(before, hit) == (len(prompt) - 1) // 16 * 16
+            assert sample(after, queried) - sample(before, queried) == len(prompt)
+            assert sample(after, "tulip_prefix_cache_pages") >= len(prompt) // 16
+            return [first, second]
+
+    for responses in asyncio.run(main()):
+        assert ids_of(responses) == reference[QUESTIONS[2]][0]
 
 
 def test_max_tokens_finishes_with_length(server: TulipProcess, tok: tokenizers.Tokenizer) -> None:

@@ -86,6 +86,9 @@ class TulipConfig:
     """Pages in the KV cache pool; 0 sizes it for two full-context sequences."""
     kv_page_size: int = 16
     """Tokens per KV cache page."""
+    prefix_cache: bool = True
+    """Reuse the KV pages of prompt prefixes seen before (`rose.kv.prefix`); with ``--spec
+    draft`` / ``mtp`` it stays off (their own per-token state is not cached)."""
     spec: str = "none"
     """Speculative decoding: ``none``, ``ngram`` (prompt lookup), ``draft`` or ``mtp``."""
     spec_draft_tokens: int = 4
@@ -294,6 +297,12 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-pages", type=int, help="KV cache pages, 0 = two full contexts (default 0)"
     )
     gen.add_argument("--kv-page-size", type=int, help="tokens per KV page (default 16)")
+    gen.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the KV pages of repeated prompt prefixes (default on)",
+    )
     gen.add_argument("--spec", help="speculative decoding: none | ngram | draft | mtp")
     gen.add_argument("--spec-draft-tokens", type=int, help="tokens drafted per step (default 4)")
     gen.add_argument(

@@ -188,6 +188,7 @@ class GenerationBackend:
         self._thread: threading.Thread | None = None
         self._metrics: Metrics | None = None
         self._spec = _SpecTotals()
+        self._prefix_seen = (0, 0, 0)  # prefix cache totals already counted (`_record_step`)
 
     # -- loading -------------------------------------------------------------------------
 
@@ -253,6 +254,7 @@ class GenerationBackend:
                 kv=KVCacheConfig(num_pages=pages, page_size=config.kv_page_size),
                 max_batch=config.max_running_seqs,
                 spec=spec,
+                prefix_cache=config.prefix_cache,
             ),
             drafter=drafter,
             mtp_head=head,
@@ -260,6 +262,8 @@ class GenerationBackend:
             detokenize=decode,
             grammars=Grammars(model_dir, cfg.vocab_size, eos_ids),  # response_format
         )
+        if config.prefix_cache and engine.prefix_cache_off_reason is not None:
+            log.warning("tulip: prefix cache off: %s", engine.prefix_cache_off_reason)
         name = config.model_name or model_dir.name
         served = ServedModel(
             name=name,
@@ -530,6 +534,18 @@ class GenerationBackend:
         if metrics is None:
             return
         metrics.generate_step_seconds.observe(seconds)
+        prefix = self._engine.prefix_cache
+        if prefix is not None:
+            totals = prefix.stats
+            now_prefix = (totals.queried_tokens, totals.hit_tokens, totals.evicted_pages)
+            queried, hit, evicted = (
+                a - b for a, b in zip(now_prefix, self._prefix_seen, strict=True)
+            )
+            metrics.prefix_queried_tokens.inc(queried)
+            metrics.prefix_hit_tokens.inc(hit)
+            metrics.prefix_evicted_pages.inc(evicted)
+            metrics.prefix_cached_pages.set(prefix.num_pages)
+            self._prefix_seen = now_prefix
         stats = self._engine.stats
         now = _SpecTotals(stats.steps, stats.drafted, stats.accepted)
         if now == self._spec:

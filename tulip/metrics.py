@@ -102,6 +102,24 @@ class Metrics:
         )
         self.kv_pages_free = Gauge("tulip_kv_pages_free", "Free pages of the KV cache", registry=r)
         self.kv_pages = Gauge("tulip_kv_pages", "Pages of the KV cache pool", registry=r)
+        self.prefix_queried_tokens = Counter(
+            "tulip_prefix_cache_queried_tokens",
+            "Prompt tokens of admitted Generate requests, looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_hit_tokens = Counter(
+            "tulip_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache (their prefill skipped)",
+            registry=r,
+        )
+        self.prefix_evicted_pages = Counter(
+            "tulip_prefix_cache_evicted_pages",
+            "Cached KV pages evicted (least recently used) to make room",
+            registry=r,
+        )
+        self.prefix_cached_pages = Gauge(
+            "tulip_prefix_cache_pages", "KV pages registered in the prefix cache", registry=r
+        )
         self.time_to_first_token = Histogram(
             "tulip_time_to_first_token_seconds",
             "Time from admission until a Generate request's first token",

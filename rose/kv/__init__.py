@@ -7,6 +7,7 @@ Main types:
 - `PageAllocator`: a fixed pool of page ids; `allocate` raises `OutOfPages` (backpressure).
 - `BlockTable`: the pages one sequence holds in one cache, and how many tokens are written.
 - `PagedKVCache`: K/V storage ``[layers, pages * page_size, kv_heads, head_dim]``.
+- `PrefixCache`: full pages of committed tokens found again by content (prefix caching).
 
 Example::
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 from rose.kv.allocator import KVCacheConfig, OutOfPages, PageAllocator
 from rose.kv.block_table import BlockTable
 from rose.kv.cache import PagedKVCache
+from rose.kv.prefix import PrefixCache
 
 __all__ = [
     "BlockTable",
@@ -28,4 +30,5 @@ __all__ = [
     "OutOfPages",
     "PageAllocator",
     "PagedKVCache",
+    "PrefixCache",
 ]

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rose.kv.prefix import PrefixCache
 
 __all__ = ["KVCacheConfig", "OutOfPages", "PageAllocator"]
 
@@ -44,39 +48,68 @@ class KVCacheConfig:
 class PageAllocator:
     """Hands out page ids from ``range(num_pages)``.
 
-    Invariant: every id is either in the free list or owned by exactly one block table.
-    Freed pages are reused LIFO (recently touched memory first).
+    Invariant: every id is in exactly one state: free, held by one or more block tables
+    (its reference count: tables share pages only through the prefix cache,
+    `rose.kv.prefix`), or idle in the prefix cache (held by none, kept for its contents).
+    Free pages are reused LIFO (recently touched memory first); idle ones count as free and
+    are evicted, least recently released first, only when no free page is left.
     """
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, prefix: PrefixCache | None = None) -> None:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
+        self.prefix = prefix
         # Stack of free ids; pop() from the end, lowest ids handed out first.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
-        self._used: set[int] = set()
+        self._refs: dict[int, int] = {}  # held page -> tables holding it
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation may take: free ones and idle cached ones."""
+        return len(self._free) + (self.prefix.num_idle if self.prefix is not None else 0)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` pages; raises `OutOfPages` (taking nothing) when fewer are free."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > len(self._free):
-            raise OutOfPages(n, len(self._free), self.num_pages)
-        pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
+        if n > self.num_free:
+            raise OutOfPages(n, self.num_free, self.num_pages)
+        pages = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        while len(pages) < n:
+            assert self.prefix is not None
+            pages.append(self.prefix.evict())
+        for p in pages:
+            self._refs[p] = 1
         return pages
 
-    def free(self, pages: list[int]) -> None:
-        """Return pages to the pool; freeing a page that is not in use is an error."""
+    def share(self, pages: list[int]) -> None:
+        """Hold ``pages`` once more: pages held by another table, or idle cached ones."""
         for p in pages:
-            if p not in self._used:
+            if p in self._refs:
+                self._refs[p] += 1
+            elif self.prefix is not None and self.prefix.is_idle(p):
+                self.prefix.revive(p)
+                self._refs[p] = 1
+            else:
+                raise ValueError(f"page {p} is neither held nor cached")
+
+    def free(self, pages: list[int]) -> None:
+        """Let go of pages; a page no table holds any more goes back to the pool (idle in
+        the prefix cache when it is registered there). Freeing a page that is not held is
+        an error."""
+        for p in pages:
+            refs = self._refs.get(p)
+            if refs is None:
                 raise ValueError(f"page {p} is not allocated")
-            self._used.remove(p)
-            self._free.append(p)
+            if refs > 1:
+                self._refs[p] = refs - 1
+                continue
+            del self._refs[p]
+            if self.prefix is not None and self.prefix.holds(p):
+                self.prefix.park(p)
+            else:
+                self._free.append(p)
