@@ -22,6 +22,7 @@ from rose.spec.proposer import (
     Proposer,
     ProposerInputs,
     Verified,
+    kv_copies_of,
     proposer_methods,
     register_proposer,
 )
@@ -112,6 +113,13 @@ def test_a_drafter_defined_in_one_file_plugs_in(
     assert eng.allocator.num_free == cfg.kv.num_pages
     with pytest.raises(ValueError, match="built in"):
         register_proposer("ngram", build)
+    # A server sizes its page pool by the registered kv_copies before building anything;
+    # a proposer that keeps another number is refused when built.
+    copies = {"none": 0, "ngram": 0, "draft": 1, "mtp": 1, "fixed-table": 0}
+    assert {m: kv_copies_of(m) for m in copies} == copies
+    register_proposer("miscounted", lambda _: TableProposer(table, wrong_every=7), kv_copies=1)
+    with pytest.raises(ValueError, match="registered with kv_copies=1"):
+        GenerationEngine(target, replace(cfg, spec=SpecConfig(method="miscounted")))
 
 
 @pytest.mark.parametrize(

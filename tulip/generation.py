@@ -205,6 +205,7 @@ class GenerationBackend:
         from rose.models.llama import LlamaForCausalLM
         from rose.spec import SpecConfig, truncated_drafter
         from rose.spec.mtp import MTPHead
+        from rose.spec.proposer import kv_copies_of
 
         if config.threads is not None:
             torch.set_num_threads(config.threads)
@@ -245,7 +246,7 @@ class GenerationBackend:
             chain_min_prob=config.spec_chain_min_prob,
         )
         k = spec.max_fed_drafts if config.spec != "none" else 0
-        copies = 2 if config.spec in ("draft", "mtp") else 1
+        copies = 1 + kv_copies_of(config.spec)  # the target's cache and the proposer's
         pages = config.kv_pages or 2 * copies * math.ceil((context + k) / config.kv_page_size)
         eos_ids = _eos_ids(model_dir, cfg.eos_token_ids)
         engine = GenerationEngine(

@@ -44,6 +44,7 @@ __all__ = [
     "ProposerInputs",
     "Verified",
     "build_proposer",
+    "kv_copies_of",
     "proposer_methods",
     "register_proposer",
 ]
@@ -149,16 +150,25 @@ def _mtp(inputs: ProposerInputs) -> Proposer:
     return MTPProposer.build(inputs)
 
 
-_BUILT_IN: dict[str, ProposerFactory] = {"ngram": _ngram, "draft": _draft, "mtp": _mtp}
+# method -> (factory, kv_copies of the proposers it builds)
+_BUILT_IN: dict[str, tuple[ProposerFactory, int]] = {
+    "ngram": (_ngram, 0),
+    "draft": (_draft, 1),
+    "mtp": (_mtp, 1),
+}
 _REGISTRY = dict(_BUILT_IN)
 
 
-def register_proposer(method: str, factory: ProposerFactory) -> None:
-    """Make ``SpecConfig(method=method)`` build proposers with ``factory`` (registering a
-    name again replaces its factory; the built-in names are taken)."""
+def register_proposer(method: str, factory: ProposerFactory, *, kv_copies: int = 0) -> None:
+    """Make ``SpecConfig(method=method)`` build proposers with ``factory``, whose
+    proposers keep ``kv_copies`` paged caches per request (`Proposer.kv_copies`; known
+    before any is built, so a server sizes its page pool for them). Registering a name
+    again replaces its factory; the built-in names are taken."""
     if method == "none" or method in _BUILT_IN:
         raise ValueError(f"spec.method {method!r} is built in")
-    _REGISTRY[method] = factory
+    if kv_copies not in (0, 1):
+        raise ValueError(f"kv_copies must be 0 or 1, got {kv_copies}")
+    _REGISTRY[method] = (factory, kv_copies)
 
 
 def proposer_methods() -> tuple[str, ...]:
@@ -166,7 +176,21 @@ def proposer_methods() -> tuple[str, ...]:
     return ("none", *_REGISTRY)
 
 
+def kv_copies_of(method: str) -> int:
+    """Paged caches per request that ``method``'s proposer keeps besides the target's."""
+    return 0 if method == "none" else _REGISTRY[method][1]
+
+
 def build_proposer(inputs: ProposerInputs) -> Proposer | None:
     """The proposer ``inputs.spec.method`` names (None for "none")."""
     method = inputs.spec.method
-    return None if method == "none" else _REGISTRY[method](inputs)
+    if method == "none":
+        return None
+    factory, kv_copies = _REGISTRY[method]
+    proposer = factory(inputs)
+    if proposer.kv_copies != kv_copies:
+        raise ValueError(
+            f"spec.method {method!r} was registered with kv_copies={kv_copies} but its "
+            f"proposer keeps {proposer.kv_copies}"
+        )
+    return proposer
