@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rose.grammar import GrammarError, Grammars
+from rose.grammar import GrammarError, Grammars, GrammarState
 from rose.kv.allocator import KVCacheConfig, PageAllocator
 from rose.kv.prefix import PrefixCache
 from rose.models.llama import LlamaForCausalLM
@@ -43,6 +43,7 @@ from rose.spec.config import SpecConfig
 from rose.spec.mtp import MTPHead
 from rose.spec.proposer import (
     DeviceChainProposer,
+    Proposal,
     ProposerInputs,
     Verified,
     build_proposer,
@@ -327,11 +328,26 @@ class GenerationEngine:
             return
         t0 = time.perf_counter()
         for (r, _), proposal in zip(todo, self.proposer.propose(todo), strict=True):
-            # a draft tree's rows would each need its own path's mask: constrained requests
-            # verify chains only (a dropped proposal is one the proposer already handles)
-            tree = proposal is not None and proposal.tree is not None
-            r.proposal = None if tree and r.grammar is not None else proposal
+            if r.grammar is not None and proposal is not None:
+                proposal = self._constrained(r.grammar, proposal)
+            r.proposal = proposal
         self.stats.draft_s += time.perf_counter() - t0
+
+    @staticmethod
+    def _constrained(grammar: GrammarState, proposal: Proposal) -> Proposal | None:
+        """A constrained request's proposal, masked too: cut before its first draft the
+        grammar forbids (the target could never accept it), None when nothing is left. A
+        draft tree's rows would each need their own path's mask: constrained requests
+        verify chains only (a dropped proposal is one every proposer already handles)."""
+        if proposal.tree is not None:
+            return None
+        n = grammar.allowed_drafts(proposal.tokens)
+        if n == len(proposal.tokens):
+            return proposal
+        if n == 0:
+            return None
+        q = None if proposal.q is None else proposal.q[:n]
+        return Proposal(proposal.tokens[:n], q)
 
     @staticmethod
     def _mask(batch: list[Scheduled], out: PassOutput) -> None:

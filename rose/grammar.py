@@ -132,6 +132,18 @@ class GrammarState:
             self._matcher.rollback(advanced)
         return advanced
 
+    def allowed_drafts(self, drafts: Sequence[int]) -> int:
+        """How many of ``drafts``, in a row from the start, the grammar allows here (the
+        state is unchanged): a proposal is cut there before the target verifies it."""
+        advanced = 0
+        for token in drafts:
+            if not self._matcher.accept_token(int(token)):
+                break
+            advanced += 1
+        if advanced:
+            self._matcher.rollback(advanced)
+        return advanced
+
     def _apply(self, row: torch.Tensor) -> None:
         """-inf where the bitmask has a 0 bit, in ``row [1, V]``."""
         if row.device.type == "cpu" and row.dtype == torch.float32 and row.is_contiguous():

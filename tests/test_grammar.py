@@ -172,3 +172,54 @@ def test_masks_apply_to_bf16_logits_like_fp32(grammars: Grammars) -> None:
 def test_bad_schemas_are_named(grammars: Grammars, schema: str, said: str) -> None:
     with pytest.raises(GrammarError, match=said):
         grammars.state(JsonFormat(schema))
+
+
+def test_drafts_are_masked_before_the_target_verifies_them(
+    grammars: Grammars,
+    tokenizer,  # noqa: ANN001
+) -> None:
+    """Speculation under a grammar: a proposal is cut before its first draft the grammar
+    forbids, so the target never verifies a draft it could not accept; the output is the
+    one without speculation."""
+    from rose.assets import ensure_model
+    from rose.generate import GenerationConfig, GenerationEngine
+    from rose.models.llama import LlamaForCausalLM
+    from rose.sampling import SamplingParams
+    from rose.spec import SpecConfig
+    from rose.spec.proposer import Proposal, Verified, register_proposer
+
+    model = LlamaForCausalLM.from_pretrained(Path(ensure_model(MODEL)))
+    fmt = JsonFormat(json.dumps(SCHEMAS[0]))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Describe a book about search engines as JSON."}],
+        add_generation_prompt=True,
+    )
+    prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
+    params = SamplingParams(max_tokens=24, response_format=fmt)
+    plain = GenerationEngine(model, eos_ids=[EOS], grammars=grammars)
+    [want] = plain.generate([prompt], params)
+    # A raw newline: compact JSON has none between tokens, and a string may not hold one.
+    [forbidden] = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    verified: list[Verified] = []
+
+    class Probe:  # drafts the right continuation with a forbidden token in third place
+        kv_copies = 0
+        target_features = False
+
+        def propose(self, todo):  # noqa: ANN001, ANN202
+            out = []
+            for r, k in todo:
+                right = want.output_ids[len(r.output_ids) : len(r.output_ids) + k]
+                out.append(Proposal((right[:2] + [forbidden] + right[3:])[:k]) if right else None)
+            return out
+
+        def accept(self, request, v: Verified) -> None:  # noqa: ANN001
+            verified.append(v)
+
+    register_proposer("grammar-probe", lambda _: Probe())
+    spec = SpecConfig(method="grammar-probe", num_draft_tokens=4)
+    engine = GenerationEngine(model, GenerationConfig(spec=spec), eos_ids=[EOS], grammars=grammars)
+    [got] = engine.generate([prompt], params)
+    assert got.output_ids == want.output_ids
+    assert max(v.drafts for v in verified) == 2  # cut before the forbidden third draft
+    assert engine.stats.accepted > 0
