@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
@@ -47,6 +47,7 @@ from ivy.generation_schemas import (
     JsonSchemaFormat,
     ResponseFormat,
 )
+from ivy.logprobs import TokenPieces
 from ivy.models import GENERATOR, ServedModel
 from ivy.replicas import Replica
 from ivy.router import cancel_all, gather_or_cancel, translate
@@ -120,6 +121,8 @@ class Prepared:
     param: str  # the request field the prompt came from ("messages" or "prompt")
     started: float  # time.perf_counter() when the request arrived
     tokenize_s: float = 0.0
+    # the model's token texts when the request asked for logprobs (sampling.top_logprobs)
+    pieces: TokenPieces | None = None
 
 
 @dataclass
@@ -130,6 +133,9 @@ class Outcome:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    # when the request asked for logprobs: every generated token and its numbers
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
 
 
 class Generation:
@@ -147,8 +153,10 @@ class Generation:
         prompt_tokens: int,
         metrics: GenerationMetrics,
         param: str,
+        logprobs: bool = False,
     ) -> None:
         self._call = call
+        self._logprobs = logprobs
         self._param = param
         self._first: pb.GenerateResponse | None = first
         self._replica = replica
@@ -189,6 +197,12 @@ class Generation:
                 self._outcome = self.finish_reason
 
     def _count(self, message: pb.GenerateResponse) -> None:
+        if self._logprobs and len(message.logprobs) != len(message.token_ids):
+            self._outcome = "error"
+            raise UpstreamError(
+                f"The replica sent {len(message.logprobs)} logprobs for "
+                f"{len(message.token_ids)} tokens (does it predate logprobs?)."
+            )
         if message.token_ids:
             n = len(message.token_ids)
             self.completion_tokens += n
@@ -199,12 +213,19 @@ class Generation:
             if message.HasField("usage"):
                 self.usage = message.usage
 
-    def outcome(self, text: str) -> Outcome:
+    def outcome(
+        self,
+        text: str,
+        token_ids: list[int] | None = None,
+        logprobs: list[pb.TokenLogprob] | None = None,
+    ) -> Outcome:
         """The finished generation's outcome; usage as the replica counted it."""
         prompt, completion = self.prompt_tokens, self.completion_tokens
         if self.usage is not None and (self.usage.prompt_tokens or self.usage.completion_tokens):
             prompt, completion = self.usage.prompt_tokens, self.usage.completion_tokens
-        return Outcome(text, self.finish_reason or "stop", prompt, completion)
+        return Outcome(
+            text, self.finish_reason or "stop", prompt, completion, token_ids or [], logprobs or []
+        )
 
     def close(self) -> None:
         if self._closed:
@@ -229,6 +250,17 @@ class GenerationService:
         self._gateway = gateway
         self.metrics = metrics
         self.timeout_seconds = timeout_seconds
+        self._pieces: dict[tuple[str, str], TokenPieces] = {}  # (model, directory) → texts
+
+    async def _token_pieces(self, model: ServedModel) -> TokenPieces:
+        """The model's token texts and bytes (`ivy.logprobs`), read once per model."""
+        key = (model.name, str(model.directory))
+        pieces = self._pieces.get(key)
+        if pieces is None:
+            path = model.directory / "tokenizer.json"
+            pieces = await asyncio.to_thread(TokenPieces.from_file, path)
+            self._pieces[key] = pieces
+        return pieces
 
     # ---- preparation ---------------------------------------------------------------------
     def _generator(self, name: str) -> ServedModel:
@@ -248,8 +280,13 @@ class GenerationService:
         started = time.perf_counter()
         model = self._generator(req.model)
         _check_common(req)
-        if req.logprobs:
-            raise ValidationError("logprobs are not supported.", param="logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise ValidationError(
+                "top_logprobs needs logprobs: true (it is the number of alternatives shown "
+                "with each token's logprob).",
+                param="top_logprobs",
+            )
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
         template = model.chat_template
         if template is None:
             raise ValidationError(
@@ -278,7 +315,8 @@ class GenerationService:
         ids = await _tokenize_prompt(model, prompt)
         max_tokens = req.max_completion_tokens or req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        return self._prepared(req, model, [ids], max_tokens, "messages", param, started)
+        prepared = self._prepared(req, model, [ids], max_tokens, "messages", param, started)
+        return await self._with_logprobs(prepared, model, logprobs)
 
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:
         started = time.perf_counter()
@@ -288,8 +326,6 @@ class GenerationService:
             raise ValidationError("echo is not supported.", param="echo")
         if req.best_of is not None and req.best_of != 1:
             raise ValidationError("Only best_of=1 is supported.", param="best_of")
-        if req.logprobs is not None:
-            raise ValidationError("logprobs are not supported.", param="logprobs")
         if req.suffix is not None:
             raise ValidationError("suffix is not supported.", param="suffix")
         # Prompts are raw model input: special-token text in them is parsed (as OpenAI
@@ -313,7 +349,18 @@ class GenerationService:
                     f"Token id {top} is outside the vocabulary (size {vocab}).", param="prompt"
                 )
         max_tokens = req.max_tokens if req.max_tokens is not None else _COMPLETIONS_MAX_TOKENS
-        return self._prepared(req, model, prompts, max_tokens, "prompt", "max_tokens", started)
+        prepared = self._prepared(req, model, prompts, max_tokens, "prompt", "max_tokens", started)
+        return await self._with_logprobs(prepared, model, req.logprobs)
+
+    async def _with_logprobs(
+        self, prepared: Prepared, model: ServedModel, top: int | None
+    ) -> Prepared:
+        """``prepared`` asking the replica for logprobs with ``top`` alternatives per token
+        (None: unchanged, none are computed)."""
+        if top is None:
+            return prepared
+        prepared.sampling.top_logprobs = top
+        return replace(prepared, pieces=await self._token_pieces(model))
 
     def _prepared(
         self,
@@ -415,7 +462,16 @@ class GenerationService:
         self.metrics.time_to_first_token.labels(model=prepared.model).observe(
             time.perf_counter() - prepared.started
         )
-        return Generation(call, first, replica, tokens, int(ids.size), self.metrics, prepared.param)
+        return Generation(
+            call,
+            first,
+            replica,
+            tokens,
+            int(ids.size),
+            self.metrics,
+            prepared.param,
+            logprobs=prepared.pieces is not None,
+        )
 
 
 # ---- consuming generations ---------------------------------------------------------------
@@ -424,8 +480,16 @@ async def collect(generations: Sequence[Generation]) -> list[Outcome]:
     them all, also on failure or cancellation."""
 
     async def one(g: Generation) -> Outcome:
-        parts = [m.text async for m in g.messages() if m.text]
-        return g.outcome("".join(parts))
+        parts: list[str] = []
+        ids: list[int] = []
+        logprobs: list[pb.TokenLogprob] = []
+        async for m in g.messages():
+            if m.text:
+                parts.append(m.text)
+            if m.logprobs:
+                ids.extend(m.token_ids)
+                logprobs.extend(m.logprobs)
+        return g.outcome("".join(parts), ids, logprobs)
 
     try:
         return await gather_or_cancel([one(g) for g in generations])
@@ -492,7 +556,6 @@ def unsupported_field(req: ChatCompletionRequest | CompletionRequest) -> str | N
     }
     if isinstance(req, ChatCompletionRequest):
         noop.update(
-            top_logprobs=lambda v: v == 0,
             tools=lambda v: not v,
             functions=lambda v: not v,
             tool_choice=lambda v: v in ("none", "auto"),

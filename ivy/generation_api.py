@@ -33,9 +33,11 @@ from ivy.generation_schemas import (
     ChatCompletionChunkWithUsage,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
     CompletionChunk,
     CompletionChunkWithUsage,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ContentDelta,
@@ -44,6 +46,7 @@ from ivy.generation_schemas import (
     RoleDelta,
     StreamError,
 )
+from ivy.logprobs import CompletionLogprobsBuilder, TokenPieces, chat_logprobs
 from ivy.routes import Reply, Route
 
 __all__ = ["CHAT_ROUTE", "COMPLETIONS_ROUTE", "STREAM_SCHEMAS", "generation_routes"]
@@ -87,14 +90,26 @@ async def _chat_events(
     with_usage = prepared.include_usage
     kind = ChatCompletionChunkWithUsage if with_usage else ChatCompletionChunk
 
-    def chunk(delta: RoleDelta | ContentDelta | EndDelta, finish: str | None) -> bytes:
-        return sse.event(kind(rid, created, model, [ChatChunkChoice(0, delta, finish)]))  # type: ignore[arg-type]
+    pieces = prepared.pieces
+
+    def chunk(
+        delta: RoleDelta | ContentDelta | EndDelta,
+        finish: str | None,
+        logprobs: ChatLogprobs | None = None,
+    ) -> bytes:
+        choice = ChatChunkChoice(0, delta, finish, logprobs)  # type: ignore[arg-type]
+        return sse.event(kind(rid, created, model, [choice]))
 
     (generation,) = generations
     yield chunk(RoleDelta(), None)
     try:
         async for _, message in merge(generations):
-            if message.text:
+            # a chunk carries the logprobs of its message's tokens (its text may lag them:
+            # a replica holds back text that could still become a stop string)
+            if pieces is not None and message.token_ids:
+                logprobs = chat_logprobs(pieces, message.token_ids, message.logprobs)
+                yield chunk(ContentDelta(message.text), None, logprobs)
+            elif message.text:
                 yield chunk(ContentDelta(message.text), None)
     except Exception as exc:  # noqa: BLE001 - reported in the stream, which then ends
         yield _error_event(exc)
@@ -113,11 +128,18 @@ async def _completion_events(
 ) -> AsyncGenerator[bytes, None]:
     with_usage = prepared.include_usage
     kind = CompletionChunkWithUsage if with_usage else CompletionChunk
+    pieces = prepared.pieces
+    builders = None if pieces is None else [CompletionLogprobsBuilder(pieces) for _ in generations]
     try:
         async for index, message in merge(generations):
             finish = finish_reason(message)  # this message's own, not the generation's
-            if message.text or finish is not None:
-                choice = CompletionChoice(index, message.text, finish)  # type: ignore[arg-type]
+            if message.text or finish is not None or (builders and message.token_ids):
+                logprobs = (
+                    None
+                    if builders is None
+                    else builders[index].add(message.token_ids, message.logprobs)
+                )
+                choice = CompletionChoice(index, message.text, finish, logprobs)  # type: ignore[arg-type]
                 yield sse.event(kind(rid, created, model, [choice]))
     except Exception as exc:  # noqa: BLE001 - reported in the stream, which then ends
         yield _error_event(exc)
@@ -126,6 +148,18 @@ async def _completion_events(
         usage = _usage([g.outcome("") for g in generations])
         yield sse.event(CompletionChunkWithUsage(rid, created, model, [], usage=usage))
     yield sse.DONE
+
+
+def _chat_logprobs(pieces: TokenPieces | None, outcome: Outcome) -> ChatLogprobs | None:
+    if pieces is None:
+        return None
+    return chat_logprobs(pieces, outcome.token_ids, outcome.logprobs)
+
+
+def _completion_logprobs(pieces: TokenPieces | None, outcome: Outcome) -> CompletionLogprobs | None:
+    if pieces is None:
+        return None
+    return CompletionLogprobsBuilder(pieces).add(outcome.token_ids, outcome.logprobs)
 
 
 def _closer(generations: Sequence[Generation]) -> Callable[[], None]:
@@ -157,7 +191,8 @@ def generation_routes(service: GenerationService) -> list[Route]:
             return sse.Stream(events, headers, _closer(generations))
         (outcome,) = await collect(generations)
         message = AssistantMessage(outcome.text)
-        choice = ChatChoice(0, message, outcome.finish_reason)  # type: ignore[arg-type]
+        logprobs = _chat_logprobs(prepared.pieces, outcome)
+        choice = ChatChoice(0, message, outcome.finish_reason, logprobs)  # type: ignore[arg-type]
         body = ChatCompletionResponse(rid, created, req.model, [choice], _usage([outcome]))
         return Reply(body, headers=headers)
 
@@ -169,7 +204,7 @@ def generation_routes(service: GenerationService) -> list[Route]:
             return sse.Stream(events, headers, _closer(generations))
         outcomes = await collect(generations)
         choices = [
-            CompletionChoice(i, o.text, o.finish_reason)  # type: ignore[arg-type]
+            CompletionChoice(i, o.text, o.finish_reason, _completion_logprobs(prepared.pieces, o))  # type: ignore[arg-type]
             for i, o in enumerate(outcomes)
         ]
         body = CompletionResponse(rid, created, req.model, choices, _usage(outcomes))

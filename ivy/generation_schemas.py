@@ -22,10 +22,13 @@ __all__ = [
     "ChatCompletionChunkWithUsage",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
+    "ChatLogprobs",
     "ChatMessage",
+    "ChatTokenLogprob",
     "CompletionChoice",
     "CompletionChunk",
     "CompletionChunkWithUsage",
+    "CompletionLogprobs",
     "ContentDelta",
     "EndDelta",
     "CompletionRequest",
@@ -40,6 +43,7 @@ __all__ = [
     "StreamOptions",
     "TextFormat",
     "TextPart",
+    "TopLogprob",
 ]
 
 # Numeric fields are bounded to the `SamplingOptions` field that carries them to Tulip
@@ -56,6 +60,9 @@ StopStrings = StopString | Annotated[list[StopString], Field(max_length=4)]
 # wire's uint64 (negative seeds are sent as their two's complement).
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 FinishReason = Literal["stop", "length"]
+# OpenAI's limits: alternatives per token in chat (top_logprobs) and legacy (logprobs).
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 
 
 # Fields Ivy does not implement whose use would change the answer: accepted at their no-op
@@ -176,8 +183,14 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: MaxTokens | None = Field(
         default=None, description="Wins over max_tokens when both are given."
     )
-    logprobs: bool | None = Field(default=None, description="Not supported: false or absent.")
-    top_logprobs: int | None = Field(default=None, description=_UNSUPPORTED)
+    logprobs: bool | None = Field(
+        default=None,
+        description="Return each output token's log probability (choices[].logprobs).",
+    )
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] | None = Field(
+        default=None,
+        description="With logprobs: true, this many most likely tokens at each position.",
+    )
     tools: list[Any] | None = Field(default=None, description=_UNSUPPORTED)
     tool_choice: str | dict[str, Any] | None = Field(default=None, description=_UNSUPPORTED)
     functions: list[Any] | None = Field(default=None, description=_UNSUPPORTED)
@@ -200,7 +213,11 @@ class CompletionRequest(_Sampling):
     ) = Field(description="Text, texts, token ids or lists of token ids.")
     echo: bool | None = Field(default=False, description="Only false is supported.")
     best_of: int | None = Field(default=None, description="Only 1 is supported.")
-    logprobs: int | None = Field(default=None, description="Not supported: null or absent.")
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = Field(
+        default=None,
+        description="Return each output token's log probability and this many most likely "
+        "tokens at each position (the chosen one is always included).",
+    )
     suffix: str | None = Field(default=None, description="Not supported: null or absent.")
 
 
@@ -216,6 +233,45 @@ class GenerationUsage:
 
 
 @dataclass(slots=True)
+class TopLogprob:
+    """One of the most likely tokens at a position. ``bytes``: the token's UTF-8 bytes
+    (its text is ``bytes:\\x..`` when they are part of a character)."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+@dataclass(slots=True)
+class ChatTokenLogprob:
+    """A generated token's log probability under the model (raw logits, before
+    temperature / top-p; a response_format's mask applied), with the most likely tokens
+    at its position."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+@dataclass(slots=True)
+class ChatLogprobs:
+    content: list[ChatTokenLogprob] | None
+
+
+@dataclass(slots=True)
+class CompletionLogprobs:
+    """Legacy completions' logprobs: per token its text, log probability, the most
+    likely tokens there (text → logprob, the chosen one included) and its character
+    offset in the generated text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+@dataclass(slots=True)
 class AssistantMessage:
     content: str
     role: Literal["assistant"] = "assistant"
@@ -226,7 +282,7 @@ class ChatChoice:
     index: int
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -262,7 +318,7 @@ class ChatChunkChoice:
     index: int
     delta: RoleDelta | ContentDelta | EndDelta
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -289,7 +345,7 @@ class CompletionChoice:
     index: int
     text: str
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 @dataclass(slots=True)

@@ -418,9 +418,18 @@ def chat() -> list[Case]:
         ),
         post("stream-max-tokens-0", p, with_(p, stream=True, max_tokens=0), param="max_tokens"),
         post("stream-top-k-2^32", p, with_(p, stream=True, top_k=2**32), param="top_k"),
-        post("logprobs", p, with_(p, logprobs=True), param="logprobs"),
+        post("logprobs-number", p, with_(p, logprobs=1), param="logprobs"),
+        # top_logprobs is the number of alternatives shown with logprobs: true (OpenAI's
+        # rule), at most 20.
+        post("top-logprobs-without-logprobs", p, with_(p, top_logprobs=3), param="top_logprobs"),
+        post("top-logprobs-21", p, with_(p, logprobs=True, top_logprobs=21), param="top_logprobs"),
+        post(
+            "top-logprobs-negative",
+            p,
+            with_(p, logprobs=True, top_logprobs=-1),
+            param="top_logprobs",
+        ),
         # Fields that would change the answer are refused by name, never ignored.
-        post("top-logprobs", p, with_(p, top_logprobs=3), param="top_logprobs"),
         post(
             "tools",
             p,
@@ -474,7 +483,9 @@ def completions() -> list[Case]:
         post("stop-list-too-long-string", p, with_(p, stop=["ok", "x" * 1025]), param="stop"),
         post("echo", p, with_(p, echo=True), param="echo"),
         post("best-of-2", p, with_(p, best_of=2), param="best_of"),
-        post("logprobs", p, with_(p, logprobs=1), param="logprobs"),
+        post("logprobs-6", p, with_(p, logprobs=6), param="logprobs"),  # OpenAI's limit: 5
+        post("logprobs-negative", p, with_(p, logprobs=-1), param="logprobs"),
+        post("logprobs-bool", p, with_(p, logprobs=True), param="logprobs"),
         post("suffix", p, with_(p, suffix="x"), param="suffix"),
         post("n-3", p, with_(p, n=3), param="n"),
         post("presence-penalty", p, with_(p, presence_penalty=-1), param="presence_penalty"),
@@ -715,8 +726,9 @@ def test_bad_input_gets_4xx_envelope_and_worker_keeps_serving(stack: Stack, case
         {"response_format": {"type": "text"}, "top_logprobs": 0, "logprobs": False},
         {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}},
         {"metadata": {"team": "search"}, "store": False, "service_tier": "auto"},  # harmless
+        {"logprobs": True, "top_logprobs": 20},  # served (the most alternatives)
     ],
-    ids=["tools-off", "text-format", "no-penalties", "harmless-unknown"],
+    ids=["tools-off", "text-format", "no-penalties", "harmless-unknown", "logprobs"],
 )
 def test_no_op_values_and_harmless_unknown_fields_are_accepted(
     stack: Stack, fields: dict[str, Any]

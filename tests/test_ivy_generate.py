@@ -177,6 +177,27 @@ class Oracle:
             finish = "stop"
         return self.tokenizer.decode(new, skip_special_tokens=True), len(new), finish
 
+    def greedy_ids(self, ids: list[int], max_new_tokens: int) -> list[int]:
+        """The ids greedy decoding emits (cut before EOS)."""
+        new = self._generated(ids)[:max_new_tokens]
+        return new[: new.index(self._eos)] if self._eos in new else new
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token's raw bytes: its byte-level BPE piece through GPT-2's byte table
+        (transformers' own copy of it)."""
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        table = {c: b for b, c in bytes_to_unicode().items()}
+        return bytes(table[c] for c in self.tokenizer.convert_ids_to_tokens(token))
+
+    def token_text(self, token: int) -> str:
+        """OpenAI's ``token``: the bytes as text, ``bytes:\\xNN`` when not UTF-8 alone."""
+        raw = self.token_bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
 
 @pytest.fixture(scope="module")
 def oracle(model_dir: Path) -> Iterator[Oracle]:
@@ -455,6 +476,169 @@ def test_stop_strings(base: str, name: str, oracle: Oracle) -> None:
         assert whole.startswith(content)
 
 
+# ---- logprobs ----------------------------------------------------------------------------
+
+LOGPROB_TOL = 1e-4  # fp32 on both sides; the engine's logits match transformers' to 1e-4
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Callable[[list[int], list[int]], Any]:
+    """log_softmax of `transformers`' fp32 logits at each position that produced an
+    output token: ``f(prompt, output) -> [len(output), V]``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    def logprobs(prompt: list[int], output: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + output])).logits[0].float()  # [T, V]
+        return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+
+    return logprobs
+
+
+def _check_alternatives(
+    oracle: Oracle, row: Any, got: list[tuple[str, list[int] | None, float]], k: int
+) -> None:
+    """``got`` (token, bytes, logprob) equals the reference's ``k`` most likely tokens at
+    ``row``: the same values in order; each token the one with its value (two tokens
+    within the tolerance of each other may come in either order)."""
+    values, ids = row.topk(k + 2)
+    assert len(got) == k
+    assert [v for _, _, v in got] == pytest.approx(values[:k].tolist(), abs=LOGPROB_TOL)
+    for token, raw, value in got:
+        near = [int(i) for v, i in zip(values, ids, strict=True) if abs(v - value) <= 2e-4]
+        assert token in [oracle.token_text(i) for i in near], (token, value)
+        if raw is not None:
+            assert bytes(raw) in [oracle.token_bytes(i) for i in near]
+
+
+def _check_chat_logprobs(
+    oracle: Oracle, want: Any, output: list[int], content: list[Any], k: int
+) -> None:
+    assert len(content) == len(output)
+    for t, (token, entry) in enumerate(zip(output, content, strict=True)):
+        assert entry.token == oracle.token_text(token), t
+        assert bytes(entry.bytes) == oracle.token_bytes(token), t
+        assert entry.logprob == pytest.approx(want[t, token].item(), abs=LOGPROB_TOL), t
+        alts = [(a.token, a.bytes, a.logprob) for a in entry.top_logprobs]
+        _check_alternatives(oracle, want[t], alts, k)
+        if k:  # greedy: the token emitted is the most likely one
+            assert entry.top_logprobs[0].token == entry.token
+
+
+def test_chat_logprobs_equal_transformers(
+    base: str, name: str, oracle: Oracle, reference: Callable[[list[int], list[int]], Any]
+) -> None:
+    """logprobs / top_logprobs of greedy chat, whole and streamed, equal log_softmax of
+    transformers' logits at every step; the tokens' bytes rebuild the text."""
+    client = openai_client(base)
+    ids = oracle.chat_ids(CHAT)
+    output = oracle.greedy_ids(ids, 12)
+    want = reference(ids, output)
+    args: dict[str, Any] = {"model": name, "messages": CHAT, "max_tokens": 12, "temperature": 0}
+    r = client.chat.completions.create(**args, logprobs=True, top_logprobs=5)
+    choice = r.choices[0]
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    _check_chat_logprobs(oracle, want, output, choice.logprobs.content, 5)
+    joined = b"".join(bytes(e.bytes) for e in choice.logprobs.content)
+    assert joined.decode() == choice.message.content
+
+    stream = client.chat.completions.create(**args, logprobs=True, top_logprobs=2, stream=True)
+    content: list[Any] = []
+    text = ""
+    for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            if c.logprobs is not None:
+                content += c.logprobs.content or []
+    assert text == choice.message.content
+    _check_chat_logprobs(oracle, want, output, content, 2)
+
+    # logprobs without alternatives; none at all when not asked
+    bare = client.chat.completions.create(**args, logprobs=True)
+    assert bare.choices[0].logprobs is not None
+    _check_chat_logprobs(oracle, want, output, bare.choices[0].logprobs.content or [], 0)
+    assert client.chat.completions.create(**args).choices[0].logprobs is None
+
+
+def _check_completion_logprobs(
+    oracle: Oracle, want: Any, output: list[int], lp: dict[str, Any], k: int
+) -> None:
+    tok = oracle.tokenizer
+    assert lp["tokens"] == [oracle.token_text(i) for i in output]
+    assert lp["token_logprobs"] == pytest.approx(
+        [want[t, i].item() for t, i in enumerate(output)], abs=LOGPROB_TOL
+    )
+    # offsets into the generated text (ASCII here: every token is whole characters)
+    assert lp["text_offset"] == [len(tok.decode(output[:t])) for t in range(len(output))]
+    for t, (token, top) in enumerate(zip(output, lp["top_logprobs"], strict=True)):
+        alts = [(text, None, value) for text, value in top.items()]
+        chosen = oracle.token_text(token)
+        if len(top) > k:  # the chosen token, added after the k alternatives
+            assert list(top)[-1] == chosen
+            alts = alts[:-1]
+        else:
+            assert chosen in top
+        _check_alternatives(oracle, want[t], alts, k)
+
+
+def test_completions_logprobs_equal_transformers(
+    base: str, name: str, oracle: Oracle, reference: Callable[[list[int], list[int]], Any]
+) -> None:
+    client = openai_client(base)
+    prompts = [oracle.tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    outputs = [oracle.greedy_ids(p, 8) for p in prompts]
+    wants = [reference(p, o) for p, o in zip(prompts, outputs, strict=True)]
+    r = client.completions.create(
+        model=name, prompt=PROMPTS[:2], max_tokens=8, temperature=0, logprobs=3
+    )
+    for choice, output, want in zip(r.choices, outputs, wants, strict=True):
+        assert choice.logprobs is not None
+        lp = choice.logprobs.model_dump()
+        _check_completion_logprobs(oracle, want, output, lp, 3)
+        assert "".join(lp["tokens"]) == choice.text
+
+    body = {"model": name, "prompt": PROMPTS[:2], "max_tokens": 8, "temperature": 0}
+    got: list[dict[str, list[Any]]] = [
+        {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} for _ in prompts
+    ]
+    with httpx.Client(timeout=120) as http:
+        events = sse_events(
+            http.post(f"{base}/v1/completions", json={**body, "logprobs": 1, "stream": True})
+        )
+    for event in events[:-1]:
+        for c in json.loads(event)["choices"]:
+            assert c["logprobs"] is not None
+            for key, values in c["logprobs"].items():
+                got[c["index"]][key] += values
+    for lp, output, want in zip(got, outputs, wants, strict=True):
+        _check_completion_logprobs(oracle, want, output, lp, 1)
+
+
+def test_logprobs_follow_the_chosen_tokens_when_sampling(
+    base: str, name: str, oracle: Oracle, reference: Callable[[list[int], list[int]], Any]
+) -> None:
+    """Sampled tokens get the model's raw logprob (temperature does not reshape it)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
+    client = openai_client(base)
+    r = client.chat.completions.create(
+        model=name, messages=CHAT, max_tokens=8, temperature=1.3, seed=3, logprobs=True
+    )
+    content = r.choices[0].logprobs.content
+    # each token's bytes name its vocabulary piece, so its id
+    pieces = ["".join(table[b] for b in e.bytes) for e in content]
+    output = oracle.tokenizer.convert_tokens_to_ids(pieces)
+    want = reference(oracle.chat_ids(CHAT), output)
+    assert [e.logprob for e in content] == pytest.approx(
+        [want[t, i].item() for t, i in enumerate(output)], abs=LOGPROB_TOL
+    )
+    assert all(e.top_logprobs == [] for e in content)
+
+
 # ---- errors ------------------------------------------------------------------------------
 
 
@@ -485,7 +669,11 @@ def test_bad_inputs_get_openai_errors(base: str, name: str) -> None:
         ("chat", {**chat, "stop": ["a", "b", "c", "d", "e"]}, "stop", None),
         ("chat", {**chat, "stream": "yes"}, "stream", None),
         ("chat", {**chat, "stream_options": {"include_usage": True}}, "stream_options", None),
-        ("chat", {**chat, "logprobs": True}, "logprobs", None),
+        ("chat", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
+        ("chat", {**chat, "top_logprobs": 2}, "top_logprobs", None),  # without logprobs
+        ("chat", {**chat, "logprobs": 1}, "logprobs", None),
+        ("comp", {**comp, "logprobs": 6}, "logprobs", None),
+        ("comp", {**comp, "logprobs": True}, "logprobs", None),
         ("chat", {**chat, "max_tokens": 10_000}, "messages", "context_length_exceeded"),
         ("comp", {**comp, "echo": True}, "echo", None),
         ("comp", {**comp, "n": 3}, "n", None),
