@@ -22,6 +22,7 @@ Invariant: a state's position is the request's emitted tokens; only
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -150,7 +151,7 @@ class GrammarState:
             self._xgr.apply_token_bitmask_inplace(row, self._bitmask)  # its CPU kernel
             return
         bits = self._bitmask.to(row.device, non_blocking=True)  # [1, W] int32
-        shifts = torch.arange(32, device=row.device, dtype=torch.int32)
+        shifts = _shifts(row.device)
         allowed = ((bits[..., None] >> shifts) & 1).flatten(1)[:, : row.shape[-1]]  # [1, V]
         row.masked_fill_(allowed == 0, float("-inf"))
 
@@ -159,3 +160,9 @@ class GrammarState:
         for token in tokens:
             if not self._matcher.accept_token(int(token)):
                 raise RuntimeError(f"token {token} was emitted against its grammar mask")
+
+
+@functools.cache
+def _shifts(device: torch.device) -> torch.Tensor:
+    """``[32]`` int32 bit positions on ``device``, made once per device."""
+    return torch.arange(32, device=device, dtype=torch.int32)
