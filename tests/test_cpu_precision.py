@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_configs
 import torch
 import transformers
 
@@ -46,7 +47,7 @@ TEXTS = [
         * 4
     ),
 ]
-VOCAB = 120
+VOCAB = tiny_configs.VOCAB
 
 
 def _sentence_transformers(path: Path, texts: list[str]) -> np.ndarray:
@@ -163,42 +164,17 @@ def test_check_set_is_real_text_and_tokenized(e5_dir: Path) -> None:
 # -- tiny random BERT / XLM-R against transformers fp32 ---------------------------------------
 
 
-def _bert(**extra: object) -> transformers.BertConfig:
-    return transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=96,
-        max_position_embeddings=96,
-        **extra,
-    )
-
-
-def _xlmr(**extra: object) -> transformers.XLMRobertaConfig:
-    return transformers.XLMRobertaConfig(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=6,
-        intermediate_size=80,
-        max_position_embeddings=98,
-        type_vocab_size=1,
-        pad_token_id=1,
-        hidden_act="gelu_new",
-        **extra,
-    )
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
     torch.manual_seed(25)
     root = tmp_path_factory.mktemp("tiny-precision")
     built = {
-        "bert": transformers.BertModel(_bert(), add_pooling_layer=False),
-        "xlmr": transformers.XLMRobertaModel(_xlmr(), add_pooling_layer=False),
-        "bert-ce": transformers.BertForSequenceClassification(_bert(num_labels=3)),
-        "xlmr-ce": transformers.XLMRobertaForSequenceClassification(_xlmr(num_labels=1)),
+        "bert": transformers.BertModel(tiny_configs.bert(), add_pooling_layer=False),
+        "xlmr": transformers.XLMRobertaModel(tiny_configs.xlmr(), add_pooling_layer=False),
+        "bert-ce": transformers.BertForSequenceClassification(tiny_configs.bert(num_labels=3)),
+        "xlmr-ce": transformers.XLMRobertaForSequenceClassification(
+            tiny_configs.xlmr(num_labels=1)
+        ),
     }
     out = {}
     for name, model in built.items():

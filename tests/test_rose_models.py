@@ -11,12 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_configs
 import torch
 import transformers
 
 from rose import Engine, EngineConfig, EngineError, RaggedBatch
 
-VOCAB = 120
+VOCAB = tiny_configs.VOCAB
 LENGTHS = (1, 2, 5, 17, 33, 64, 3, 40)
 
 
@@ -25,46 +26,19 @@ def _save(model: torch.nn.Module, where: Path, bin_format: bool = False) -> Path
     return where
 
 
-def _bert_config(**extra: object) -> transformers.BertConfig:
-    return transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=96,
-        max_position_embeddings=96,
-        type_vocab_size=2,
-        layer_norm_eps=1e-7,
-        **extra,
-    )
-
-
-def _xlmr_config(**extra: object) -> transformers.XLMRobertaConfig:
-    return transformers.XLMRobertaConfig(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=6,
-        intermediate_size=80,
-        max_position_embeddings=98,
-        type_vocab_size=1,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        hidden_act="gelu_new",
-        **extra,
-    )
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
     torch.manual_seed(1234)
     root = tmp_path_factory.mktemp("tiny")
     built = {
-        "bert": transformers.BertModel(_bert_config()),
-        "xlmr": transformers.XLMRobertaModel(_xlmr_config(), add_pooling_layer=False),
-        "bert-ce": transformers.BertForSequenceClassification(_bert_config(num_labels=3)),
-        "xlmr-ce": transformers.XLMRobertaForSequenceClassification(_xlmr_config(num_labels=1)),
+        "bert": transformers.BertModel(tiny_configs.bert(layer_norm_eps=1e-7)),
+        "xlmr": transformers.XLMRobertaModel(tiny_configs.xlmr(), add_pooling_layer=False),
+        "bert-ce": transformers.BertForSequenceClassification(
+            tiny_configs.bert(num_labels=3, layer_norm_eps=1e-7)
+        ),
+        "xlmr-ce": transformers.XLMRobertaForSequenceClassification(
+            tiny_configs.xlmr(num_labels=1)
+        ),
     }
     out = {}
     for name, model in built.items():
