@@ -7,6 +7,7 @@ greedy and sampled requests, and requests that did not ask get none."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -192,3 +193,74 @@ def test_logprobs_is_validated() -> None:
         SamplingParams(logprobs=21)
     with pytest.raises(ValueError, match="sampling.logprobs"):
         SamplingParams(logprobs=-1)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[Any, Any, Any, LlamaForCausalLM]:
+    """(transformers model, its tokenizer, grammars, rose model) on the real SmolLM2."""
+    from rose.assets import ensure_model
+    from rose.grammar import Grammars
+
+    directory = Path(ensure_model("smollm2-135m-instruct"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    grammars = Grammars(directory, ref.config.vocab_size, [SMOL_EOS])
+    return ref.eval(), tokenizer, grammars, LlamaForCausalLM.from_pretrained(directory)
+
+
+SMOL_EOS = 2  # <|im_end|>
+
+
+@pytest.mark.parametrize("method", ["none", "draft-self"])
+def test_constrained_logprobs_are_the_masked_distribution(
+    smollm2: tuple[Any, Any, Any, LlamaForCausalLM], method: str
+) -> None:
+    """Under a response_format the numbers are log_softmax of the target's logits after
+    the grammar's mask (the distribution the tokens come from): transformers' logits,
+    masked row by row after the output so far, give them; forbidden tokens are never
+    among the alternatives."""
+    import json
+
+    from rose.grammar import JsonFormat
+
+    ref, tokenizer, grammars, model = smollm2
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "rank": {"type": "integer"}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    fmt = JsonFormat(json.dumps(schema))
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Which city is the largest in Japan? Answer in JSON."}],
+        add_generation_prompt=True,
+    )
+    prompt = list(prompt if isinstance(prompt, list) else prompt["input_ids"])
+    # the target drafting for itself (unmasked): drafts kept wherever the grammar agrees
+    spec = SpecConfig(method="none" if method == "none" else "draft", num_draft_tokens=3)
+    engine = GenerationEngine(
+        model,
+        GenerationConfig(spec=spec),
+        drafter=None if method == "none" else model,
+        eos_ids=[SMOL_EOS],
+        grammars=grammars,
+    )
+    [r] = engine.generate(
+        [prompt], SamplingParams(max_tokens=16, response_format=fmt, logprobs=TOP)
+    )
+    assert r.logprobs is not None and len(r.logprobs) == len(r.output_ids) > 3
+    if method != "none":
+        assert engine.stats.accepted > 0
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt + r.output_ids])).logits[0].float()
+    rows = logits[len(prompt) - 1 : -1].clone()  # [n, V]
+    grammars.state(fmt).mask_rows(rows, r.output_ids[:-1])
+    want = torch.log_softmax(rows, dim=-1)
+    for t, (tok, got) in enumerate(zip(r.output_ids, r.logprobs, strict=True)):
+        assert got.logprob == pytest.approx(want[t, tok].item(), abs=TOL), t
+        allowed = int(torch.isfinite(want[t]).sum())
+        values, ids = want[t].topk(min(TOP, allowed))
+        assert list(got.top_logprobs) == pytest.approx(values.tolist(), abs=TOL), t
+        assert set(got.top_ids) == set(ids.tolist()), t  # allowed tokens only
+    # somewhere the grammar left fewer than TOP tokens: the list is shorter, not padded
+    assert any(len(lp.top_ids) < TOP for lp in r.logprobs)
