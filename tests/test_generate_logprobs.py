@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tiny_configs
 import torch
 import transformers
 
@@ -27,22 +28,7 @@ TOP = 5
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, LlamaForCausalLM]:
     """(transformers reference, the same weights loaded by rose)."""
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        initializer_range=0.2,  # logits spread out, so top-k has no near ties
-    )
-    ref = transformers.LlamaForCausalLM(cfg).eval()
-    path = Path(tmp_path_factory.mktemp("logprobs")) / "llama"
-    ref.save_pretrained(path, safe_serialization=True)
-    return ref, LlamaForCausalLM.from_pretrained(path).eval()
+    return tiny_configs.llama_pair(Path(tmp_path_factory.mktemp("logprobs")) / "llama")
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,9 @@ prefix feeds only the rest of it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+import tiny_configs
 import torch
-import transformers
 
 from rose.generate import GenerationConfig, GenerationEngine
 from rose.kv import BlockTable, KVCacheConfig, PageAllocator, PrefixCache
@@ -20,7 +18,7 @@ from rose.sampling import SamplingParams
 from rose.spec import SpecConfig
 from rose.spec.mtp import MTPHead, MTPHeadConfig
 
-VOCAB = 97
+VOCAB = 97  # tiny_configs.llama's
 PAGE = 4
 NEW = 12
 GREEDY = SamplingParams(max_tokens=NEW)
@@ -93,22 +91,7 @@ def test_commit_registers_only_committed_tokens() -> None:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, LlamaForCausalLM]:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-    )
-    ref = transformers.LlamaForCausalLM(cfg).eval()
-    path = tmp_path_factory.mktemp("tiny-llama")
-    ref.save_pretrained(path, safe_serialization=True)
-    return ref, LlamaForCausalLM.from_pretrained(Path(path))
+    return tiny_configs.llama_pair(tmp_path_factory.mktemp("tiny-llama") / "llama")
 
 
 def hf_greedy(ref: torch.nn.Module, prompt: list[int], new: int = NEW) -> list[int]:

@@ -1,8 +1,12 @@
-"""Small random BERT / XLM-R configs shared by the tests that hold ROSE to `transformers`
-(fp32 parity, CPU precision modes). Wide enough weights that outputs differ per token."""
+"""Small random configs shared by the tests that hold ROSE to `transformers` (fp32 parity,
+CPU precision modes, generation). Wide enough weights that outputs differ per token."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
+import torch
 import transformers
 
 VOCAB = 120
@@ -36,3 +40,30 @@ def xlmr(**extra: object) -> transformers.XLMRobertaConfig:
         hidden_act="gelu_new",
         **extra,
     )
+
+
+def llama(**over: object) -> transformers.LlamaConfig:
+    kw: dict[str, object] = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # logits spread out: no near ties in argmax or top-k
+    )
+    kw.update(over)
+    return transformers.LlamaConfig(**kw)
+
+
+def llama_pair(path: Path, seed: int = 0, **over: object) -> tuple[torch.nn.Module, Any]:
+    """A random `transformers` Llama (seeded) and the same weights loaded by ROSE, saved
+    through ``path``: (reference, `rose.models.llama.LlamaForCausalLM`)."""
+    from rose.models.llama import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    ref = transformers.LlamaForCausalLM(llama(**over)).eval()
+    ref.save_pretrained(path, safe_serialization=True)
+    return ref, LlamaForCausalLM.from_pretrained(path).eval()
