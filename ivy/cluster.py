@@ -386,8 +386,9 @@ _SET_BY_UP = (
 )
 
 
-def tulip_flags(forwarded: Sequence[str]) -> tuple[str, ...]:
-    """``forwarded`` once Tulip's own parser and checks accept it (`ValueError` if not)."""
+def tulip_flags(forwarded: Sequence[str], model: str) -> tuple[str, ...]:
+    """``forwarded`` once Tulip's own parser and checks accept it for ``model`` (`ValueError`
+    if not; e.g. ``--spec mtp`` needs ``--mtp-head`` unless a head ships for the model)."""
     from tulip.config import ConfigError, TulipConfig
 
     for arg in forwarded:
@@ -397,7 +398,7 @@ def tulip_flags(forwarded: Sequence[str]) -> tuple[str, ...]:
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said):
-            TulipConfig.from_args(["--model", "check", *forwarded], environ={})
+            TulipConfig.from_args(["--model", model, *forwarded], environ={})
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
     except SystemExit:  # argparse's usage, then "error: unrecognized arguments: ..."
@@ -416,7 +417,7 @@ def main(args: argparse.Namespace) -> int:
             threads_per_replica=args.threads_per_replica,
             ivy_workers=args.ivy_workers,
             chunk_tokens=args.chunk_tokens,
-            tulip_args=tulip_flags(args.forwarded),
+            tulip_args=tulip_flags(args.forwarded, args.model),
         )
     except ValueError as exc:
         print(f"trellis up: {exc}", file=sys.stderr)

@@ -13,6 +13,8 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from rose.assets.heads import BUNDLED, BundledHead, bundled_head_for
+
 __all__ = ["ConfigError", "TulipConfig", "env_name"]
 
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -108,7 +110,8 @@ class TulipConfig:
     draft_layers: int = 0
     """``--spec draft`` without ``--draft-model``: the target's first N layers as drafter."""
     mtp_head: str = ""
-    """``--spec mtp``: directory of a head trained by ``python -m rose.spec.train_mtp``."""
+    """``--spec mtp``: directory of a head trained by ``python -m rose.spec.train_mtp``; empty:
+    the head Trellis ships for ``--model`` (`rose.assets.heads`), if there is one."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -185,8 +188,11 @@ class TulipConfig:
             )
         if self.spec != "draft" and (self.draft_model or self.draft_layers):
             raise ConfigError("--draft-model / --draft-layers are only used with --spec draft")
-        if self.spec == "mtp" and not self.mtp_head:
-            raise ConfigError("--spec mtp needs --mtp-head (a trained head's directory)")
+        if self.spec == "mtp" and not self.mtp_head and self.bundled_mtp_head is None:
+            raise ConfigError(
+                "--spec mtp needs --mtp-head (a trained head's directory); Trellis ships "
+                "heads only for " + ", ".join(h.target for h in BUNDLED.values())
+            )
         if self.spec != "mtp" and self.mtp_head:
             raise ConfigError("--mtp-head is only used with --spec mtp")
         if self.spec_tree and self.spec != "mtp":
@@ -211,6 +217,11 @@ class TulipConfig:
                 f"--spec-tree has {len(widths)} depths but --spec-draft-tokens is "
                 f"{self.spec_draft_tokens}"
             )
+
+    @property
+    def bundled_mtp_head(self) -> BundledHead | None:
+        """The MTP head Trellis ships for ``--model`` (None: none ships for it)."""
+        return bundled_head_for(self.model)
 
     @property
     def spec_tree_widths(self) -> tuple[int, ...]:

@@ -231,7 +231,14 @@ class GenerationBackend:
             draft_dir = resolve_model(config.draft_model).path
             drafter = LlamaForCausalLM.from_pretrained(draft_dir, dtype=dtype, device=device)
         elif config.spec == "mtp":
-            head = MTPHead.load(config.mtp_head, dtype=dtype).to(device)
+            bundled = config.bundled_mtp_head
+            if config.mtp_head:
+                head_dir = Path(config.mtp_head)
+            else:
+                assert bundled is not None  # TulipConfig refuses --spec mtp without a head
+                head_dir = bundled.verified()
+                log.info("tulip: --spec mtp with the bundled head %s", bundled.name)
+            head = MTPHead.load(head_dir, dtype=dtype).to(device)
         tokenizer = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
 
         def decode(ids: list[int]) -> str:

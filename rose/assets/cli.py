@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from rose.assets.config import AssetsConfig
 from rose.assets.errors import AssetError
+from rose.assets.heads import BUNDLED, install_head
 from rose.assets.registry import REGISTRY
 from rose.assets.store import (
     PrecisionReport,
@@ -24,8 +25,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("models", help="pull, list and verify model assets")
     commands = parser.add_subparsers(dest="models_command", required=True)
 
-    pull = commands.add_parser("pull", help="download, convert and verify assets")
-    pull.add_argument("names", nargs="+", metavar="NAME", choices=list(REGISTRY))
+    pull = commands.add_parser(
+        "pull", help="download, convert and verify assets (a bundled MTP head: its target too)"
+    )
+    pull.add_argument("names", nargs="+", metavar="NAME", choices=[*REGISTRY, *BUNDLED])
     pull.add_argument("--force", action="store_true", help="convert again even if present")
     pull.set_defaults(handler=_pull)
 
@@ -47,7 +50,12 @@ def _log(line: str) -> None:
 
 def _pull(args: argparse.Namespace) -> int:
     def action(config: AssetsConfig, name: str) -> None:
-        print(ensure_model(name, config, _log, force=args.force))
+        head = BUNDLED.get(name)
+        if head is None:
+            print(ensure_model(name, config, _log, force=args.force))
+            return
+        ensure_model(head.target, config, _log, force=args.force)
+        print(install_head(name))
 
     return _each(args.names, action)
 
@@ -84,4 +92,6 @@ def _list(args: argparse.Namespace) -> int:
     for name, asset in REGISTRY.items():
         st = status(name, config)
         print(f"{name:24} {st.state:10} {asset.requirement:28} {asset.description}")
+    for name, head in BUNDLED.items():
+        print(f"{name:24} {'bundled':10} {'(ships with Trellis)':28} {head.description}")
     return 0

