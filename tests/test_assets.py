@@ -20,6 +20,7 @@ import pytest
 
 from rose.assets import REGISTRY, AssetError, AssetsConfig, model_dir
 from rose.assets.e5 import dequantize_q4_0
+from rose.assets.heads import BUNDLED
 from rose.assets.xlmr import to_legacy
 
 ALL = ["xlmr-tokenizer", "multilingual-e5-small", "all-minilm-l6-v2", "smollm2-135m-instruct"]
@@ -243,10 +244,11 @@ def test_list_shows_states(pulled: dict[str, Path], tmp_path: Path) -> None:
     done = _run(["models", "list"], env=_default_env())
     assert done.returncode == 0, done.stderr
     rows = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines()[1:]}
-    assert rows == dict.fromkeys(ALL, "ready")
+    bundled = dict.fromkeys(BUNDLED, "bundled")  # MTP heads ship inside Trellis
+    assert rows == {**dict.fromkeys(ALL, "ready"), **bundled}
     empty = _run(["models", "list"], env={"TRELLIS_MODELS_DIR": str(tmp_path)})
     rows = {line.split()[0]: line.split()[1] for line in empty.stdout.splitlines()[1:]}
-    assert rows == dict.fromkeys(ALL, "missing")
+    assert rows == {**dict.fromkeys(ALL, "missing"), **bundled}
 
 
 # ------------------------------------------------------- concurrency and failure modes
