@@ -231,10 +231,10 @@ class GenerationBackend:
             draft_dir = resolve_model(config.draft_model).path
             drafter = LlamaForCausalLM.from_pretrained(draft_dir, dtype=dtype, device=device)
         elif config.spec == "mtp":
-            bundled = config.bundled_mtp_head
             if config.mtp_head:
                 head_dir = Path(config.mtp_head)
             else:
+                bundled = config.bundled_mtp_head
                 assert bundled is not None  # TulipConfig refuses --spec mtp without a head
                 head_dir = bundled.verified()
                 log.info("tulip: --spec mtp with the bundled head %s", bundled.name)

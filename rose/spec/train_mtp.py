@@ -748,13 +748,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def bf16_copy(src: Path, out: Path) -> None:
     """Save head ``src`` with its weights rounded to bf16 in ``out`` (its config and training
     notes kept, plus the sha256 of the fp32 weights it was rounded from)."""
-    import hashlib
+    from rose.assets.pip import file_sha256
 
     meta = json.loads((src / "config.json").read_text())
     config_keys = {f.name for f in dataclasses.fields(MTPHeadConfig)} | {"format"}
     extra = {k: v for k, v in meta.items() if k not in config_keys}
-    weights = (src / "model.safetensors").read_bytes()
-    extra["rounded_from_sha256"] = hashlib.sha256(weights).hexdigest()
+    extra["rounded_from_sha256"] = file_sha256(src / "model.safetensors")
     MTPHead.load(src).to(torch.bfloat16).save(out, extra=extra)
 
 
