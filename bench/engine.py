@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.report import machine, percentile
+
 __all__ = ["main"]
 
 MODEL = "multilingual-e5-small"
@@ -94,22 +96,6 @@ def _timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
-
-
-def _machine() -> str:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}; {os.cpu_count()} logical CPUs; load average {os.getloadavg()[0]:.1f}"
 
 
 def _sdpa_sweep() -> list[tuple[int, int, float, float, str, str]]:
@@ -654,10 +640,10 @@ def main(argv: list[str]) -> int:
         "",
         "| system | tokens/s | ROSE (from text) ÷ system | batch p50 | batch p99 |",
         "|---|---:|---:|---:|---:|",
-        f"| ROSE (HF tokenizer + step, from text) | {tps['rose']:.0f} | 1.00 | {_pct(rose_batch_s, 50) * 1e3:.0f} ms | {_pct(rose_batch_s, 99) * 1e3:.0f} ms |",
-        f"| ROSE step only (ids given; not in the ratios) | {tps['rose-ids']:.0f} | n/a | {_pct(rose_fwd_batch_s, 50) * 1e3:.0f} ms | {_pct(rose_fwd_batch_s, 99) * 1e3:.0f} ms |",
+        f"| ROSE (HF tokenizer + step, from text) | {tps['rose']:.0f} | 1.00 | {percentile(rose_batch_s, 50) * 1e3:.0f} ms | {percentile(rose_batch_s, 99) * 1e3:.0f} ms |",
+        f"| ROSE step only (ids given; not in the ratios) | {tps['rose-ids']:.0f} | n/a | {percentile(rose_fwd_batch_s, 50) * 1e3:.0f} ms | {percentile(rose_fwd_batch_s, 99) * 1e3:.0f} ms |",
         f"| sentence-transformers encode() (from text) | {tps['st']:.0f} | **{ratio_st:.2f}** | n/a (one call) | n/a |",
-        f"| transformers, padded batches (from text) | {tps['hf']:.0f} | {ratio_hf:.2f} | {_pct(hf_batch_s, 50) * 1e3:.0f} ms | {_pct(hf_batch_s, 99) * 1e3:.0f} ms |",
+        f"| transformers, padded batches (from text) | {tps['hf']:.0f} | {ratio_hf:.2f} | {percentile(hf_batch_s, 50) * 1e3:.0f} ms | {percentile(hf_batch_s, 99) * 1e3:.0f} ms |",
         "",
         "Round times (s): "
         + "; ".join(f"{k} " + ", ".join(f"{v:.2f}" for v in vals) for k, vals in rounds.items()),
@@ -668,12 +654,12 @@ def main(argv: list[str]) -> int:
         "",
         "## Per-call overhead of step() (1 row x 16 tokens)",
         "",
-        f"step().wait(): p50 {statistics.median(step_s) * 1e3:.3f} ms, p99 {_pct(step_s, 99) * 1e3:.3f} ms; "
+        f"step().wait(): p50 {statistics.median(step_s) * 1e3:.3f} ms, p99 {percentile(step_s, 99) * 1e3:.3f} ms; "
         f"bare device pass on the same tensors: p50 {statistics.median(bare_s) * 1e3:.3f} ms, "
-        f"p99 {_pct(bare_s, 99) * 1e3:.3f} ms; median paired difference (step - bare, calls alternated): "
+        f"p99 {percentile(bare_s, 99) * 1e3:.3f} ms; median paired difference (step - bare, calls alternated): "
         f"{paired_us:.0f} us.",
         f"step()'s host-side work alone (validation, positions/row ids/pooling layout, attention plan): "
-        f"p50 {statistics.median(host_s) * 1e6:.0f} us, p99 {_pct(host_s, 99) * 1e6:.0f} us.",
+        f"p50 {statistics.median(host_s) * 1e6:.0f} us, p99 {percentile(host_s, 99) * 1e6:.0f} us.",
         "",
         "## SDPA strategy sweep (attention op only, 12 heads x 32, fp32)",
         "",
@@ -690,7 +676,7 @@ def main(argv: list[str]) -> int:
         "",
         f"torch {torch.__version__}, transformers {transformers.__version__}, sentence-transformers "
         f"{sentence_transformers.__version__}, numpy {np.__version__}, Python {platform.python_version()}.",
-        f"{_machine()} (load average at start {load_start:.1f}, at end {load_end:.1f}; the machine is shared "
+        f"{machine()}; load average {os.getloadavg()[0]:.1f} (load average at start {load_start:.1f}, at end {load_end:.1f}; the machine is shared "
         "with other jobs, so absolute numbers are noisy; the interleaved rounds keep the ratios comparable).",
         "",
     ]

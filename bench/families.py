@@ -51,6 +51,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.report import machine, percentile
+
 __all__ = ["main"]
 
 RESULTS = Path(__file__).parent / "results" / "families.md"
@@ -353,10 +355,6 @@ class Row:
         return statistics.median(p / r for p, r in pairs)
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
-
-
 def _run_round(
     system: Callable[[list[Any]], np.ndarray], chunks: list[list[Any]], t: Timings
 ) -> list[np.ndarray]:
@@ -422,18 +420,6 @@ def _bench_model(model: Model, args: argparse.Namespace, root: Path) -> tuple[li
 # -- report ------------------------------------------------------------------------------------
 
 
-def _machine() -> str:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}; {os.cpu_count()} logical CPUs"
-
-
 def _table(rows: list[Row]) -> list[str]:
     lines = [
         "| model | batch | tokens/s ROSE | tokens/s peer | ROSE ÷ peer | ROSE batch p50 / p99 | peer batch p50 / p99 |",
@@ -443,8 +429,8 @@ def _table(rows: list[Row]) -> list[str]:
         mark = "" if r.ratio >= BAR else " (under bar)"
         lines.append(
             f"| {r.model} | {r.batch} | {r.rose_tps:.0f} | {r.peer_tps:.0f} | **{r.ratio:.2f}**{mark} | "
-            f"{_pct(r.rose.batches, 50) * 1e3:.0f} / {_pct(r.rose.batches, 99) * 1e3:.0f} ms | "
-            f"{_pct(r.peer.batches, 50) * 1e3:.0f} / {_pct(r.peer.batches, 99) * 1e3:.0f} ms |"
+            f"{percentile(r.rose.batches, 50) * 1e3:.0f} / {percentile(r.rose.batches, 99) * 1e3:.0f} ms | "
+            f"{percentile(r.peer.batches, 50) * 1e3:.0f} / {percentile(r.peer.batches, 99) * 1e3:.0f} ms |"
         )
     return lines
 
@@ -537,7 +523,7 @@ def main(argv: list[str]) -> int:
         "",
         f"torch {torch.__version__}, transformers {transformers.__version__}, sentence-transformers "
         f"{sentence_transformers.__version__}, numpy {np.__version__}, Python {platform.python_version()}.",
-        f"{_machine()}; load average at start {load_start:.1f}, at end {load_end:.1f}. The machine is shared "
+        f"{machine()}; load average at start {load_start:.1f}, at end {load_end:.1f}. The machine is shared "
         "with other engineers' jobs, so absolute numbers are noisy; the paired, alternating rounds keep the "
         "ratios comparable.",
         "",

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.report import percentile
+
 __all__ = ["main"]
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -70,9 +72,9 @@ class Row:
 def percentiles(samples: list[float]) -> dict[str, float]:
     ms = np.array(samples) * 1e3
     return {
-        "p50 ms": float(np.percentile(ms, 50)),
-        "p90 ms": float(np.percentile(ms, 90)),
-        "p99 ms": float(np.percentile(ms, 99)),
+        "p50 ms": percentile(ms, 50),
+        "p90 ms": percentile(ms, 90),
+        "p99 ms": percentile(ms, 99),
         "max ms": float(ms.max()),
         "n": float(len(samples)),
     }
