@@ -23,6 +23,7 @@ import tokenizers
 from protos.trellis.v1 import inference_pb2 as pb
 from tulip.client import TulipClient, embed_request, generate_request
 from tulip.config import ConfigError, TulipConfig
+from tulip.generation import spec_config
 from tulip.process import Samples, TulipProcess
 from tulip.textstream import TextStream
 
@@ -221,6 +222,26 @@ def test_generation_flags_and_env() -> None:
     assert not TulipConfig.from_args(["--model", "m"], {"TULIP_PREFIX_CACHE": "0"}).prefix_cache
 
 
+def test_spec_draft_defaults_by_method() -> None:
+    """``--spec ngram`` drafts adaptively up to 16 tokens unless told otherwise; the other
+    methods draft a fixed 4; either default yields to the flags and TULIP_* variables."""
+
+    def resolved(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, bool]:
+        config = TulipConfig.from_args(["--model", "m", *argv], env or {})
+        return config.draft_tokens, config.adaptive_drafts
+
+    assert resolved(["--spec", "ngram"]) == (16, True)
+    assert resolved(["--spec", "ngram", "--no-spec-adaptive"]) == (4, False)
+    assert resolved(["--spec", "ngram"], {"TULIP_SPEC_ADAPTIVE": "false"}) == (4, False)
+    assert resolved(["--spec", "ngram", "--spec-draft-tokens", "8"]) == (8, True)
+    assert resolved(["--spec", "draft", "--draft-layers", "2"]) == (4, False)
+    assert resolved(["--spec", "draft", "--draft-layers", "2", "--spec-adaptive"]) == (4, True)
+    assert resolved(["--spec", "mtp", "--mtp-head", "h"]) == (4, False)
+    assert resolved([]) == (4, False)
+    spec = spec_config(TulipConfig.from_args(["--model", "m", "--spec", "ngram"], {}))
+    assert (spec.method, spec.num_draft_tokens, spec.adaptive_k) == ("ngram", 16, True)
+
+
 @pytest.mark.parametrize(
     ("argv", "key"),
     [
@@ -230,7 +251,9 @@ def test_generation_flags_and_env() -> None:
         (["--draft-model", "d"], "--draft-model"),
         (["--spec", "mtp"], "--mtp-head"),
         (["--mtp-head", "h"], "--mtp-head"),
-        (["--spec-draft-tokens", "0"], "--spec-draft-tokens"),
+        (["--spec-draft-tokens", "-1"], "--spec-draft-tokens"),
+        (["--spec", "mtp", "--mtp-head", "h", "--spec-adaptive"], "--spec-adaptive"),
+        (["--spec-adaptive"], "--spec-adaptive"),
         (["--spec-tree", "2"], "--spec-tree"),
         (["--spec-tree-nodes", "4"], "--spec-tree-nodes"),
         (["--spec", "mtp", "--mtp-head", "h", "--spec-tree-nodes", "-1"], "--spec-tree-nodes"),

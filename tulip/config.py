@@ -93,8 +93,13 @@ class TulipConfig:
     draft`` / ``mtp`` it stays off (their own per-token state is not cached)."""
     spec: str = "none"
     """Speculative decoding: ``none``, ``ngram`` (prompt lookup), ``draft`` or ``mtp``."""
-    spec_draft_tokens: int = 4
-    """Tokens proposed per step when speculating."""
+    spec_draft_tokens: int = 0
+    """Tokens proposed per step when speculating, the most per step with adaptive drafts;
+    0: by method (`draft_tokens`)."""
+    spec_adaptive: bool | None = None
+    """Adaptive drafts (`SpecConfig.adaptive_k`): a sequence drafts 2 more tokens after a step
+    that kept all of its drafts and 1 fewer after a rejection; None: on for ``ngram``, whose
+    copies from the prompt run long once they start (bench/results/spec.md)."""
     spec_tree: str = ""
     """``--spec mtp``: widths of a draft tree per depth, e.g. ``3,2`` (greedy requests verify
     the head's 3 best tokens at depth 1 and 2 at depth 2; `rose.spec.tree`); empty: chain."""
@@ -172,7 +177,7 @@ class TulipConfig:
             ("--max-running-seqs", self.max_running_seqs, 1),
             ("--kv-pages", self.kv_pages, 0),
             ("--kv-page-size", self.kv_page_size, 1),
-            ("--spec-draft-tokens", self.spec_draft_tokens, 1),
+            ("--spec-draft-tokens", self.spec_draft_tokens, 0),
             ("--draft-layers", self.draft_layers, 0),
         ):
             if value < low:
@@ -211,12 +216,27 @@ class TulipConfig:
             raise ConfigError("--spec-chain-min-prob is only used with --spec mtp")
         if self.spec_chain_min_prob and (self.spec_tree or self.spec_tree_nodes):
             raise ConfigError("--spec-chain-min-prob is for chains, not --spec-tree(-nodes)")
+        if self.spec_adaptive and self.spec not in ("ngram", "draft"):
+            raise ConfigError("--spec-adaptive is only used with --spec ngram or draft")
         widths = self.spec_tree_widths
-        if len(widths) > self.spec_draft_tokens:
+        if len(widths) > self.draft_tokens:
             raise ConfigError(
                 f"--spec-tree has {len(widths)} depths but --spec-draft-tokens is "
-                f"{self.spec_draft_tokens}"
+                f"{self.draft_tokens}"
             )
+
+    @property
+    def draft_tokens(self) -> int:
+        """``--spec-draft-tokens``, or by method when 0: 16 for ``ngram`` with adaptive drafts
+        (a step drafts that many only after its shorter drafts were all kept), else 4."""
+        if self.spec_draft_tokens:
+            return self.spec_draft_tokens
+        return 16 if self.spec == "ngram" and self.adaptive_drafts else 4
+
+    @property
+    def adaptive_drafts(self) -> bool:
+        """``--spec-adaptive``, on by default for ``--spec ngram``."""
+        return self.spec == "ngram" if self.spec_adaptive is None else self.spec_adaptive
 
     @property
     def bundled_mtp_head(self) -> BundledHead | None:
@@ -315,7 +335,18 @@ def _parser() -> argparse.ArgumentParser:
         help="reuse the KV pages of repeated prompt prefixes (default on)",
     )
     gen.add_argument("--spec", help="speculative decoding: none | ngram | draft | mtp")
-    gen.add_argument("--spec-draft-tokens", type=int, help="tokens drafted per step (default 4)")
+    gen.add_argument(
+        "--spec-draft-tokens",
+        type=int,
+        help="tokens drafted per step, the most with adaptive drafts (default 16 for adaptive "
+        "ngram, else 4)",
+    )
+    gen.add_argument(
+        "--spec-adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="grow drafts after fully kept steps, shrink after rejections (default: on for ngram)",
+    )
     gen.add_argument(
         "--spec-tree", help="--spec mtp: draft-tree widths per depth, e.g. 3,2 (default: chain)"
     )
@@ -339,7 +370,7 @@ def _parse_env(flag: str, name: str, raw: str) -> object:
     field_type = {f.name: f.type for f in dataclasses.fields(TulipConfig)}[name]
     text = raw.strip()
     key = f"{env_name(flag)} ({flag})"
-    if field_type == "bool":
+    if field_type in ("bool", "bool | None"):
         if text.lower() in _TRUE:
             return True
         if text.lower() in _FALSE:

@@ -45,6 +45,7 @@ from tulip.textstream import TextStream
 
 if TYPE_CHECKING:
     from rose.generate import GenerationEngine, StepOutput
+    from rose.spec import SpecConfig
 
 __all__ = [
     "CAUSAL_LM_ARCHITECTURES",
@@ -52,6 +53,7 @@ __all__ = [
     "GenerationBackend",
     "GenerationStream",
     "is_generator",
+    "spec_config",
 ]
 
 CAUSAL_LM_ARCHITECTURES = {
@@ -95,6 +97,20 @@ def is_generator(model_dir: Path, runner: str = "auto") -> bool:
     if not architectures:
         return model_type in ("llama", "qwen2")
     return list(architectures) == [CAUSAL_LM_ARCHITECTURES[model_type]]
+
+
+def spec_config(config: TulipConfig) -> SpecConfig:
+    """The engine's speculation settings for Tulip's flags (validated by `SpecConfig`)."""
+    from rose.spec import SpecConfig
+
+    return SpecConfig(
+        method=config.spec,
+        num_draft_tokens=config.draft_tokens,
+        adaptive_k=config.adaptive_drafts,
+        tree_widths=config.spec_tree_widths,
+        tree_nodes=config.spec_tree_nodes,
+        chain_min_prob=config.spec_chain_min_prob,
+    )
 
 
 class _Request:
@@ -203,7 +219,7 @@ class GenerationBackend:
         from rose.hub import resolve_model
         from rose.kv.allocator import KVCacheConfig
         from rose.models.llama import LlamaForCausalLM
-        from rose.spec import SpecConfig, truncated_drafter
+        from rose.spec import truncated_drafter
         from rose.spec.mtp import MTPHead
         from rose.spec.proposer import kv_copies_of
 
@@ -245,13 +261,7 @@ class GenerationBackend:
             return tokenizer.decode(ids, skip_special_tokens=True)
 
         context = cfg.max_position_embeddings
-        spec = SpecConfig(
-            method=config.spec,
-            num_draft_tokens=config.spec_draft_tokens,
-            tree_widths=config.spec_tree_widths,
-            tree_nodes=config.spec_tree_nodes,
-            chain_min_prob=config.spec_chain_min_prob,
-        )
+        spec = spec_config(config)
         k = spec.max_fed_drafts if config.spec != "none" else 0
         copies = 1 + kv_copies_of(config.spec)  # the target's cache and the proposer's
         pages = config.kv_pages or 2 * copies * math.ceil((context + k) / config.kv_page_size)

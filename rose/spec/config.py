@@ -60,7 +60,7 @@ class SpecConfig:
 
     method: str = "none"
     num_draft_tokens: int = 4
-    ngram_max: int = 3
+    ngram_max: int = 4
     ngram_min: int = 1
     adaptive_k: bool = False
     draft_dtype: str = "auto"
