@@ -403,7 +403,8 @@ def _precision_lines(p: Precision) -> tuple[list[str], bool]:
         f"{p.rounds} interleaved rounds, median; tokens/s.",
         "ROSE bf16: weights, activations and attention in bf16 (oneDNN packed linears). "
         "ROSE int8: `rose.int8` (QKV, attention output and MLP up projection int8 per output "
-        "channel with dynamic per-call activations, SmoothQuant-smoothed with a calibration "
+        "channel with activations int8 per token at run time, SmoothQuant-smoothed with a "
+        "calibration "
         "at load; MLP down projection bf16). "
         "sentence-transformers: its modules' forward on the ids (fp32). ONNX Runtime: the "
         "model exported with `torch.onnx` (mean pooling + normalization in the graph), "

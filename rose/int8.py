@@ -4,26 +4,29 @@ mode (``--quantize int8``, ``--dtype bfloat16`` / ``float16`` on CPU) passes at 
 int8 scheme: the encoder's linear layers (not the classification / masked-LM / BGE-M3 heads)
 that keep or widen their width (BERT: the fused QKV, the attention output, the MLP's up
 projection; Qwen3: q, o, gate and up, its grouped-query k / v being narrower) hold int8
-weights with one symmetric scale per output channel (``scale = max|w_row| / 127``); activations are quantized to uint8 at run time by PyTorch's
-dynamic quantized linear (``torch.ops.quantized.linear_dynamic``: FBGEMM or oneDNN under the
-``x86`` engine, VNNI int8 dot products), one scale and zero point per call over the whole
-input (the kernel's granularity: per tensor, so one ragged batch shares it). On CPUs without
-VNNI the activations use 7 bits (``reduce_range``) so the non-VNNI kernel's 16-bit pair sums
-cannot saturate.
+weights with one symmetric scale per output channel (``scale = max|w_row| / 127``).
+Activations are quantized at run time, symmetric int8 with one scale per row (token):
+``s_i = max_j |x_ij| / 127``. The product of the int8 codes is exact in int32
+(``torch._int_mm``: oneDNN's VNNI int8 dot products on this CPU), so ``y_ij = s_i * w_j *
+sum_k qx_ik qw_jk + b_j`` depends on row i alone: a text's embedding does not change with the
+texts it is batched with (per-tensor activation scales, what ONNX Runtime's and PyTorch's
+dynamic quantization use, tie every row to the batch's largest value), and a short query is
+not quantized on a long passage's range.
 
-Per-tensor activation scales suffer from the few input channels with large values (LayerNorm
-outputs have them), so each int8 layer is smoothed first (SmoothQuant, Xiao et al. 2023):
-input channel j is divided by ``s_j = sqrt(max|x_j| / max|W[:, j]|)`` at run time and the
-weight's column j multiplied by it, moving half of the channel's range into the per-channel
+Input channels with large values (LayerNorm outputs have a few) still cost every row
+precision, so each int8 layer is smoothed first (SmoothQuant, Xiao et al. 2023): input
+channel j is divided by ``s_j = max|x_j|^a / max|W[:, j]|^(1 - a)`` at run time and the
+weight's column j multiplied by it, moving part of the channel's range into the per-channel
 weight scales; ``max|x_j|`` comes from one fp32 pass over the check set at load
-(`calibrate`). On 120 corpus lines this took multilingual-e5-small's worst row from cosine
-0.9981 to 0.9996 to fp32 (mean 0.9990 to 0.9998).
+(`calibrate`). ``a = SMOOTH_ALPHA = 0.65`` was chosen on the check set (`CHECK_TEXTS`, not the
+benchmark's texts) for multilingual-e5-small: mean per-row cosine to fp32 0.999806 / 0.999838
+/ 0.999845 / 0.999835 / 0.999841 / 0.999823 at a = 0.5 / 0.6 / 0.65 / 0.7 / 0.75 / 0.8.
 
 Contracting layers (``in_features > out_features``: the MLP's down projection, whose inputs
 are the activation's outputs with a few outlier channels) run in bf16 on oneDNN-packed weights
-instead (fp32 where the CPU lacks AVX-512 bf16): in int8 (unsmoothed) they took e5's worst row
-on a long passage to cosine 0.989. Everything between the products (attention, norms,
-residuals) stays float32.
+instead (fp32 where the CPU lacks AVX-512 bf16): in int8 they took e5's worst row on a long
+passage to cosine 0.989. Everything between the products (attention, norms, residuals) stays
+float32.
 
 Accuracy gate: `check_accuracy` runs the model's check inputs (`CHECK_TEXTS`, real
 multilingual sentences tokenized by the directory's tokenizer.json, alone and joined into
@@ -39,10 +42,9 @@ mode's minimum cosine for ``trellis models verify``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import warnings
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +63,7 @@ __all__ = [
     "CHECK_TEXTS",
     "MIN_COSINE",
     "MODES",
+    "SMOOTH_ALPHA",
     "Int8Linear",
     "calibrate",
     "check_accuracy",
@@ -126,35 +129,21 @@ def reduced_mode(config: EngineConfig) -> str | None:
 # -- int8 layers -----------------------------------------------------------------------------
 
 
+@functools.cache
 def int8_available() -> bool:
-    """True when this PyTorch has the dynamic quantized linear and an x86 int8 engine."""
-    return hasattr(torch.ops.quantized, "linear_dynamic") and bool(_engine())
-
-
-def _engine() -> str:
-    engines = torch.backends.quantized.supported_engines
-    return next((e for e in ("x86", "fbgemm", "onednn") if e in engines), "")
-
-
-@contextlib.contextmanager
-def _quantized_engine() -> Iterator[None]:
-    """Prepack under the x86 engine (packed weights remember their kernel), then restore
-    the process's setting."""
-    before = torch.backends.quantized.engine
-    torch.backends.quantized.engine = _engine()
+    """True when this PyTorch multiplies int8 matrices on the CPU (``torch._int_mm``)."""
+    if not hasattr(torch, "_int_mm"):
+        return False
     try:
-        with warnings.catch_warnings():
-            # quantize_per_channel's qint8 tensors are deprecated as a user-facing type;
-            # here one only feeds linear_prepack, which still takes nothing else.
-            warnings.simplefilter("ignore", UserWarning)
-            yield
-    finally:
-        torch.backends.quantized.engine = before
+        a = torch.ones(2, 8, dtype=torch.int8)
+        return bool(torch._int_mm(a, a.t().contiguous()).eq(8).all())
+    except RuntimeError:
+        return False
 
 
 class Int8Linear(nn.Module):
     """``y = x @ W.T + b`` for fp32 x ``[..., in_features]``: W int8 per output channel,
-    x quantized per call (see the module docstring); returns fp32 ``[..., out_features]``.
+    x int8 per row at run time (see the module docstring); returns fp32 ``[..., out_features]``.
 
     input_amax: ``max|x_j|`` per input channel ``[in]`` from calibration; when given the
     layer is smoothed (x / s, W * s). None: no smoothing."""
@@ -172,25 +161,14 @@ class Int8Linear(nn.Module):
             smooth = smoothing(input_amax.float(), weight)  # [in]
             weight = weight * smooth  # column j times s_j
             self.inv_smooth = 1.0 / smooth
-        scales = weight_scales(weight)  # [out]
-        bias = None if linear.bias is None else linear.bias.detach().float()
-        with _quantized_engine():
-            q = torch.quantize_per_channel(
-                weight,
-                scales.double(),
-                torch.zeros(self.out_features, dtype=torch.long),
-                0,
-                torch.qint8,
-            )
-            self._packed = torch.ops.quantized.linear_prepack(q, bias)
-        self.scales = scales
-        self.bias = bias
-        self.reduce_range = not getattr(torch.cpu, "_is_vnni_supported", lambda: False)()
+        self.scales = weight_scales(weight)  # [out]
+        codes = torch.round(weight / self.scales[:, None]).clamp_(-127, 127)
+        self.codes_t = codes.to(torch.int8).t().contiguous()  # [in, out], as _int_mm takes it
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
 
     def dequantized(self) -> torch.Tensor:
         """The weight ``[out, in]`` the products use, smoothing undone (fp32)."""
-        q, _ = torch.ops.quantized.linear_unpack(self._packed)
-        w = q.dequantize()
+        w = self.codes_t.t().float() * self.scales[:, None]
         return w if self.inv_smooth is None else w * self.inv_smooth
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,17 +176,29 @@ class Int8Linear(nn.Module):
         x = x.reshape(-1, self.in_features).float()  # [rows, in]
         if self.inv_smooth is not None:
             x = x * self.inv_smooth
-        y = torch.ops.quantized.linear_dynamic(x, self._packed, self.reduce_range)  # [rows, out]
+        # per-row scale [rows, 1]; an all-zero row gets codes 0 and output b
+        row_scale = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True)
+        row_scale = row_scale.clamp_(min=1e-30).div_(127)
+        codes = torch.div(x, row_scale).round_().to(torch.int8)  # [rows, in], |code| <= 127
+        y = torch._int_mm(codes, self.codes_t).float()  # [rows, out], exact int32 sums
+        y.mul_(row_scale).mul_(self.scales)
+        if self.bias is not None:
+            y.add_(self.bias)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
+# SmoothQuant's migration strength (module docstring: chosen on the check set)
+SMOOTH_ALPHA = 0.65
+
+
 def smoothing(input_amax: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """SmoothQuant's factors (alpha 0.5): ``sqrt(max|x_j| / max|W[:, j]|)`` per input channel."""
+    """SmoothQuant's factors ``max|x_j|^a / max|W[:, j]|^(1 - a)`` per input channel,
+    ``a = SMOOTH_ALPHA``."""
     w_amax = weight.abs().amax(dim=0).clamp(min=1e-5)  # [in]
-    return (input_amax.clamp(min=1e-5) / w_amax).sqrt()
+    return input_amax.clamp(min=1e-5).pow(SMOOTH_ALPHA) / w_amax.pow(1 - SMOOTH_ALPHA)
 
 
 def _int8_layer(linear: nn.Linear) -> bool:
@@ -256,8 +246,8 @@ def quantize_int8(
 
     if not int8_available():
         raise EngineError(
-            "EngineConfig.quantize='int8' needs PyTorch's dynamic quantized linear with an "
-            f"x86/fbgemm/onednn engine; this build has {torch.backends.quantized.supported_engines}"
+            f"EngineConfig.quantize='int8' needs int8 matrix products on the CPU "
+            f"(torch._int_mm), which PyTorch {torch.__version__} lacks"
         )
     bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
     swapped = 0

@@ -82,6 +82,42 @@ def test_e5_reduced_modes_match_sentence_transformers(
     assert row_cosines(alone, expected).min() >= MIN_COSINE[mode]
 
 
+def test_int8_row_does_not_depend_on_its_batch(
+    e5_dir: Path, e5_reference: tuple[list[list[int]], np.ndarray]
+) -> None:
+    """Activations are quantized per token, so a short query batched with long passages
+    gets the vector it gets alone (per-tensor scales over the batch gave cosine 0.9995)."""
+    ids, _ = e5_reference
+    engine = Engine.load(e5_dir, EngineConfig(device="cpu", quantize="int8"))
+    queries = [r for r in ids if len(r) < 16]
+    long_rows = [r for r in ids if len(r) > 100]
+    assert queries and long_rows
+    alone = np.stack([engine.step(RaggedBatch.from_lists([q])).numpy()[0] for q in queries])
+    mixed = engine.step(RaggedBatch.from_lists(queries + long_rows * 3)).numpy()[: len(queries)]
+    assert row_cosines(alone, mixed).min() >= 0.999999
+
+
+def test_int8_linear_is_the_exact_product_of_its_codes() -> None:
+    """Int8Linear's output is ``s_row * s_channel * (int8 codes . int8 codes) + b`` computed
+    here independently in float64 from the layer's weight codes and a per-row rounding."""
+    gen = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 96)
+    x = torch.randn(5, 64, generator=gen) * torch.tensor([1.0, 10.0, 0.01, 3.0, 0.0])[:, None]
+    layer = Int8Linear(linear)
+    w = linear.weight.detach().double()
+    w_scale = w.abs().amax(1) / 127
+    w_codes = torch.round(w / w_scale[:, None])
+    x_scale = x.double().abs().amax(1, keepdim=True).clamp(min=1e-30) / 127
+    x_codes = torch.round(x.double() / x_scale)
+    want = (x_codes @ w_codes.T) * x_scale * w_scale + linear.bias.detach().double()
+    got = layer(x).double()
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[4], linear.bias.detach())  # an all-zero row: the bias alone
+    # int8 is close to the float product, row by row, whatever the row's magnitude
+    exact = x.double() @ w.T + linear.bias.detach().double()
+    assert row_cosines(got[:4].numpy(), exact[:4].numpy()).min() > 0.999
+
+
 def test_int8_swaps_only_the_encoder_linears(e5_dir: Path) -> None:
     engine = Engine.load(e5_dir, EngineConfig(device="cpu", quantize="int8", accuracy_gate=False))
     model = engine._model
