@@ -16,6 +16,7 @@ tokens, so padded tokens never mix with real rows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,14 @@ from rose.heads import (
     splade_max,
     token_rows,
 )
-from rose.int8 import calibrate, check_accuracy, check_batch, quantize_int8, reduced_mode
+from rose.int8 import (
+    calibrate,
+    check_accuracy,
+    check_batch,
+    per_sequence,
+    quantize_int8,
+    reduced_mode,
+)
 from rose.lazy import LazyTensor, RaggedRows, StepOutputs
 from rose.loading import (
     ModelInfo,
@@ -437,7 +445,10 @@ class Engine:
         """Last hidden states [T, H] of the ragged batch."""
         inputs = AttentionInputs(cu_seqlens=cu_seqlens, seg_ids=seg_ids)
         state = self._attention.prepare(plan, inputs)
-        return self._model.encoder(ids, positions, types, self._attention, state)  # type: ignore[no-any-return]
+        # int8 (CPU only): one activation scale per sequence, not per batch (rose.int8)
+        int8 = self._config.quantize == "int8"
+        with per_sequence(cu_seqlens.tolist()) if int8 else contextlib.nullcontext():
+            return self._model.encoder(ids, positions, types, self._attention, state)  # type: ignore[no-any-return]
 
     def _pool(
         self,

@@ -25,7 +25,14 @@ import torch
 import transformers
 
 from rose import Engine, EngineConfig, EngineError, RaggedBatch
-from rose.int8 import CHECK_TEXTS, MIN_COSINE, Int8Linear, measure_modes, row_cosines
+from rose.int8 import (
+    CHECK_TEXTS,
+    MIN_COSINE,
+    Int8Linear,
+    measure_modes,
+    per_sequence,
+    row_cosines,
+)
 
 TEXTS = [
     "query: which river flows through Vienna",
@@ -85,8 +92,8 @@ def test_e5_reduced_modes_match_sentence_transformers(
 def test_int8_row_does_not_depend_on_its_batch(
     e5_dir: Path, e5_reference: tuple[list[list[int]], np.ndarray]
 ) -> None:
-    """Activations are quantized per token, so a short query batched with long passages
-    gets the vector it gets alone (per-tensor scales over the batch gave cosine 0.9995)."""
+    """Activations are quantized per sequence, so a short query batched with long passages
+    gets the vector it gets alone (one scale over the batch gave cosine 0.9995)."""
     ids, _ = e5_reference
     engine = Engine.load(e5_dir, EngineConfig(device="cpu", quantize="int8"))
     queries = [r for r in ids if len(r) < 16]
@@ -97,25 +104,30 @@ def test_int8_row_does_not_depend_on_its_batch(
     assert row_cosines(alone, mixed).min() >= 0.999999
 
 
-def test_int8_linear_is_the_exact_product_of_its_codes() -> None:
-    """Int8Linear's output is ``s_row * s_channel * (int8 codes . int8 codes) + b`` computed
-    here independently in float64 from the layer's weight codes and a per-row rounding."""
+def test_int8_linear_scales_each_sequence_on_its_own() -> None:
+    """Inside `per_sequence`, each sequence's rows are one quantized call (their own
+    activation scale): the result is the concatenation of the sequences run alone, and a
+    small-valued sequence keeps its precision next to a large-valued one."""
     gen = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(64, 96)
-    x = torch.randn(5, 64, generator=gen) * torch.tensor([1.0, 10.0, 0.01, 3.0, 0.0])[:, None]
     layer = Int8Linear(linear)
-    w = linear.weight.detach().double()
-    w_scale = w.abs().amax(1) / 127
-    w_codes = torch.round(w / w_scale[:, None])
-    x_scale = x.double().abs().amax(1, keepdim=True).clamp(min=1e-30) / 127
-    x_codes = torch.round(x.double() / x_scale)
-    want = (x_codes @ w_codes.T) * x_scale * w_scale + linear.bias.detach().double()
-    got = layer(x).double()
-    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
-    assert torch.equal(got[4], linear.bias.detach())  # an all-zero row: the bias alone
-    # int8 is close to the float product, row by row, whatever the row's magnitude
-    exact = x.double() @ w.T + linear.bias.detach().double()
-    assert row_cosines(got[:4].numpy(), exact[:4].numpy()).min() > 0.999
+    small = torch.randn(3, 64, generator=gen) * 0.01
+    large = torch.randn(5, 64, generator=gen) * 100.0
+    x = torch.cat([small, large])
+    exact = (x.double() @ linear.weight.detach().double().T).numpy()  # bias left out
+
+    def products(y: torch.Tensor) -> np.ndarray:
+        return (y.double() - linear.bias.detach().double()).numpy()
+
+    with per_sequence([0, 3, 8]):
+        grouped = layer(x)
+    alone = torch.cat([layer(small), layer(large)])
+    assert torch.equal(grouped, alone)
+    together = layer(x)  # one scale for both: the small rows drown in the large ones' range
+    assert row_cosines(products(grouped), exact).min() > 0.999
+    assert row_cosines(products(together)[:3], exact[:3]).min() < 0.99
+    with per_sequence([0, 4]):  # not this input's rows: one call, as outside
+        assert torch.equal(layer(x), together)
 
 
 def test_int8_swaps_only_the_encoder_linears(e5_dir: Path) -> None:
