@@ -405,8 +405,7 @@ def _precision_lines(p: Precision) -> tuple[list[str], bool]:
         "ROSE bf16: weights, activations and attention in bf16 (oneDNN packed linears). "
         "ROSE int8: `rose.int8` (QKV, attention output and MLP up projection int8 per output "
         "channel with dynamic activations, one scale per sequence, SmoothQuant-smoothed with a "
-        "calibration "
-        "at load; MLP down projection bf16). "
+        "calibration at load; MLP down projection bf16). "
         "sentence-transformers: its modules' forward on the ids (fp32). ONNX Runtime: the "
         "model exported with `torch.onnx` (mean pooling + normalization in the graph), "
         "default session optimizations; int8 = `onnxruntime.quantization.quantize_dynamic` "
@@ -678,7 +677,7 @@ def main(argv: list[str]) -> int:
         "",
         f"torch {torch.__version__}, transformers {transformers.__version__}, sentence-transformers "
         f"{sentence_transformers.__version__}, numpy {np.__version__}, Python {platform.python_version()}.",
-        f"{machine()}; load average {os.getloadavg()[0]:.1f} (load average at start {load_start:.1f}, at end {load_end:.1f}; the machine is shared "
+        f"{machine()}; load average at start {load_start:.1f}, at end {load_end:.1f} (the machine is shared "
         "with other jobs, so absolute numbers are noisy; the interleaved rounds keep the ratios comparable).",
         "",
     ]

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from bench.report import percentile
 from tulip.client import TulipClient
 from tulip.process import TulipProcess
 
@@ -60,7 +61,7 @@ class Samples:
     seconds: list[float] = field(default_factory=list)
 
     def p(self, q: float) -> float:
-        return float(np.percentile(self.seconds, q))
+        return percentile(self.seconds, q)
 
 
 @dataclass
