@@ -488,12 +488,29 @@ def test_sigterm_under_load_completes_accepted_work_and_exits_zero(
     assert health[0] == STATUS.SERVING and STATUS.NOT_SERVING in health[1:], health
 
 
+def test_free_port_never_hands_out_a_port_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port handed out but not bound yet (trellis up picks all replicas' ports first) is
+    still free to bind, so only free_port's own memory keeps it from coming up again."""
+    first = free_port()
+    draw = random.SystemRandom.randrange
+    repeats = iter([first, first])
+
+    def randrange(self: random.SystemRandom, *args: int) -> int:
+        return next(repeats, None) or draw(self, *args)
+
+    monkeypatch.setattr(random.SystemRandom, "randrange", randrange)
+    second = free_port()
+    assert second != first
+    assert next(repeats, None) is None  # the repeated draws were offered, and passed over
+
+
 def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:
     # Outgoing connections take their source ports from the ephemeral range, so a port picked
     # there can be gone by the time a child process binds it (trellis up failed so in CI).
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports = {free_port() for _ in range(32)}
-    assert len(ports) > 16  # random picks, not one port handed out again and again
+    picked = [free_port() for _ in range(32)]
+    ports = set(picked)
+    assert len(ports) == len(picked)  # never one port twice: each call's port is its own
     for port in ports:
         assert 10_000 <= port < low
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
@@ -29,13 +30,17 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing is bound to right now, below the kernel's ephemeral range.
+    """A TCP port nothing is bound to right now, below the kernel's ephemeral range, and
+    never one this process handed out before.
 
     The port is free when this returns, and the child binds it later (seconds, after its
     imports). An ephemeral port can be taken in between by any outgoing connection on the
     machine, since the kernel hands those out of that range; `trellis up` failed to bind that
     way under load. A random port below the range is only ever taken by someone binding
-    it on purpose. Falls back to a kernel-chosen port if the range leaves no room below it.
+    it on purpose, such as a sibling picked by an earlier call that nothing has bound yet:
+    `trellis up` picks every replica's gRPC and metrics port before starting any, and a
+    replica failed to bind a metrics port so in CI. Falls back to a kernel-chosen port if
+    the range leaves no room below it.
     """
     low = _ephemeral_low()
     rng = random.SystemRandom()
@@ -46,10 +51,17 @@ def free_port(host: str = "127.0.0.1") -> int:
                 sock.bind((host, port))
             except OSError:
                 continue
-            return int(sock.getsockname()[1])
+            port = int(sock.getsockname()[1])
+        with _HANDED_OUT_LOCK:
+            if port in _HANDED_OUT:
+                continue
+            _HANDED_OUT.add(port)
+        return port
     raise OSError(f"no free TCP port found on {host}")
 
 
+_HANDED_OUT: set[int] = set()  # every port free_port returned in this process
+_HANDED_OUT_LOCK = threading.Lock()
 _LOWEST_PICKED = 10_000  # below: well-known services and what admins pin by hand
 
 
