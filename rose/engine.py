@@ -59,7 +59,7 @@ from rose.loading import (
 from rose.models import EncoderConfig, Family, FamilyOptions, bert, family_for, qwen3
 from rose.pooling import POOL_CODES, pool_ragged
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "pass_groups"]
 
 log = logging.getLogger("rose.engine")
 
@@ -470,16 +470,32 @@ class Engine:
         return pool_ragged(hidden, cu_seqlens, seg_ids, modes, normalize, present)  # [B, H]
 
     def _run_eager(self, host: _HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pooled rows, hidden states [T, H]) of an eager pass."""
+        """(pooled rows, hidden states [T, H]) of an eager pass. On CPU the encoder runs
+        over groups of whole rows of at most ``config.cpu_pass_tokens`` tokens
+        (`pass_groups`), whose hidden states are joined."""
         device = self._device
-        plan = self._attention.plan(host.cu_seqlens)
 
         def put(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(a).to(device, non_blocking=True)
 
-        seg_ids, cu_seqlens = put(host.seg_ids), put(host.cu_seqlens)
-        types = None if host.types is None else put(host.types)
-        hidden = self._encode(put(host.ids), put(host.positions), types, seg_ids, cu_seqlens, plan)
+        cu = host.cu_seqlens
+        limit = self._config.cpu_pass_tokens if device.type == "cpu" else int(cu[-1])
+        parts = []
+        for first, end in pass_groups(cu, limit):  # rows [first, end)
+            a, b = int(cu[first]), int(cu[end])  # their tokens [a, b)
+            part_cu = cu[first : end + 1] - a
+            parts.append(
+                self._encode(
+                    put(host.ids[a:b]),
+                    put(host.positions[a:b]),
+                    None if host.types is None else put(host.types[a:b]),
+                    put(host.seg_ids[a:b] - first),
+                    put(part_cu),
+                    self._attention.plan(part_cu),
+                )
+            )
+        hidden = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, H]
+        seg_ids, cu_seqlens = put(host.seg_ids), put(cu)
         spans = None
         if host.spans is not None:
             spans = (put(host.spans[0]), put(host.spans[1]), put(host.spans[2]))
@@ -550,6 +566,19 @@ class Engine:
     def __repr__(self) -> str:
         i = self._info
         return f"Engine({i.name!r}, {i.kind}, {i.device}/{i.dtype}, attention={self._attention.describe()})"
+
+
+def pass_groups(cu_seqlens: np.ndarray, limit: int) -> list[tuple[int, int]]:
+    """Split rows (token offsets `cu_seqlens`, B + 1 of them) into runs of consecutive rows
+    ``[first, end)`` of at most `limit` tokens each; a row longer than `limit` is a run of
+    its own. Greedy, in order, so every row is in exactly one run."""
+    groups: list[tuple[int, int]] = []
+    first, rows = 0, len(cu_seqlens) - 1
+    for row in range(1, rows + 1):
+        if row == rows or int(cu_seqlens[row + 1]) - int(cu_seqlens[first]) > limit:
+            groups.append((first, row))
+            first = row
+    return groups
 
 
 def _span_layout(

@@ -26,6 +26,7 @@ from output_models import (
 )
 
 from rose import Engine, EngineConfig, EngineError, RaggedBatch
+from rose.engine import pass_groups
 from rose.lazy import RaggedRows
 
 ALL = frozenset({"dense", "sparse", "multi_vector", "token_states"})
@@ -154,3 +155,51 @@ def test_head_files_are_checked_by_key_set_and_shape(bge: Path, tmp_path: Path) 
     torch.save({"weight": torch.zeros(1, 32)}, broken / "sparse_linear.pt")
     with pytest.raises(EngineError, match="keys"):
         Engine.load(broken, EngineConfig(device="cpu"))
+
+
+# -- CPU passes in groups of rows (EngineConfig.cpu_pass_tokens) -------------------------------
+
+
+def test_pass_groups_cover_every_row_once_within_the_limit() -> None:
+    cu = np.array([0, 512, 1024, 1536, 2048, 2560, 5560, 5570])
+    assert pass_groups(cu, 2048) == [(0, 4), (4, 5), (5, 6), (6, 7)]  # 3000 tokens alone
+    assert pass_groups(cu, 10**6) == [(0, 7)]
+    assert pass_groups(np.array([0, 3]), 1) == [(0, 1)]
+    assert pass_groups(np.array([0, 10, 20, 30]), 20) == [(0, 2), (2, 3)]
+
+
+def test_grouped_cpu_passes_give_the_outputs_of_one_pass(bge: Path) -> None:
+    """Every output kind, spans included, is the same whether the encoder sees the batch
+    at once or in groups of rows (and the groups really are separate encoder calls)."""
+    rows = encode(bge, TEXTS)
+    kinds = [ALL, frozenset({"sparse"}), frozenset(), frozenset({"multi_vector"}), ALL]
+    whole = Engine.load(bge, EngineConfig(device="cpu", cpu_pass_tokens=10**6))
+    limit = max(len(r) for r in rows)
+    grouped = Engine.load(bge, EngineConfig(device="cpu", cpu_pass_tokens=limit))
+    calls: list[int] = []
+    grouped._model.encoder.register_forward_hook(lambda m, args, out: calls.append(out.shape[0]))
+
+    batch = RaggedBatch.from_lists(rows, kinds=kinds)
+    want, got = whole.step_outputs(batch), grouped.step_outputs(batch)
+    assert len(calls) >= 3 and sum(calls) == sum(len(r) for r in rows), calls
+    np.testing.assert_allclose(got.dense.numpy(), want.dense.numpy(), atol=TOL, rtol=0)
+    for kind, w in want.extras().items():
+        g = got.extras()[kind]
+        assert g.counts.tolist() == w.counts.tolist()
+        for i in range(len(rows)):
+            g_ids, g_values = g.row(i)
+            w_ids, w_values = w.row(i)
+            if w_ids is not None:
+                assert g_ids.tolist() == w_ids.tolist()  # type: ignore[union-attr]
+            np.testing.assert_allclose(g_values, w_values, atol=TOL, rtol=0)
+
+    plain = RaggedBatch.from_lists(rows)
+    spans = RaggedBatch(
+        plain.input_ids,
+        plain.cu_seqlens,
+        span_counts=np.array([1] * len(rows)),
+        spans=np.array([(1, len(r) - 1) for r in rows]),
+    )
+    np.testing.assert_allclose(
+        grouped.step(spans).numpy(), whole.step(spans).numpy(), atol=TOL, rtol=0
+    )

@@ -56,7 +56,7 @@ class TulipConfig:
     A reduced dtype on the CPU passes ROSE's accuracy gate at load or Tulip exits (`rose.int8`)."""
     quantize: str = "none"
     """``none`` or ``int8``: encoders on the CPU with int8 weights per output channel and
-    activations quantized per call (`rose.int8`); refused at load when its cosine to float32
+    activations quantized per sequence (`rose.int8`); refused at load when its cosine to float32
     on the check set is under 0.99. Needs float32 activations (``--dtype auto|float32``)."""
     max_batch_tokens: int = 0
     """Token budget of one encoder batch; 0: the backend's choice for its device (16384 on
