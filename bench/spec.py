@@ -142,13 +142,24 @@ RAG_QUOTE = [
         "top of the root ball is level with the ground",
     ),
 ]
-# n-gram lookup with SpecConfig's suffix lengths (1..4): the fixed-k row, and what Tulip's
-# `--spec ngram` runs by default (adaptive drafts up to 16, `TulipConfig.draft_tokens`)
-NGRAM = {"method": "ngram"}
+
+
+def _tulip_ngram() -> tuple[str, dict[str, Any]]:
+    """The row for what Tulip's ``--spec ngram`` runs by default, read from `TulipConfig`
+    (so the bench follows Tulip's defaults): its label and settings."""
+    from tulip.config import TulipConfig
+
+    tulip = TulipConfig(model="smollm2-135m-instruct", spec="ngram")
+    k, adaptive = tulip.draft_tokens, tulip.adaptive_drafts
+    label = f"ngram k={k}" + (" adaptive" if adaptive else "")
+    return label, {"method": "ngram", "num_draft_tokens": k, "adaptive_k": adaptive}
+
+
+# n-gram lookup with SpecConfig's suffix lengths (1..4): the fixed-k row, and Tulip's default
 METHODS: dict[str, dict[str, Any]] = {
     "none": {"method": "none"},
-    "ngram k=4": {**NGRAM, "num_draft_tokens": 4},
-    "ngram k=16 adaptive": {**NGRAM, "num_draft_tokens": 16, "adaptive_k": True},
+    "ngram k=4": {"method": "ngram", "num_draft_tokens": 4},
+    **dict([_tulip_ngram()]),
     "draft 6L k=3": {"method": "draft", "num_draft_tokens": 3},
 }
 MTP_METHODS: dict[str, dict[str, Any]] = {
