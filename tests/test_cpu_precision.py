@@ -84,7 +84,7 @@ def test_e5_reduced_modes_match_sentence_transformers(
     got = engine.step(RaggedBatch.from_lists(ids)).numpy()
     cos = row_cosines(got, expected)
     assert cos.min() >= MIN_COSINE[mode], cos
-    # rows alone agree with the batch (int8 quantizes activations per call)
+    # rows alone agree with the batch (int8 quantizes activations per sequence)
     alone = np.stack([engine.step(RaggedBatch.from_lists([r])).numpy()[0] for r in ids])
     assert row_cosines(alone, expected).min() >= MIN_COSINE[mode]
 
