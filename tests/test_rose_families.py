@@ -402,3 +402,25 @@ def test_relative_buckets_equal_transformers() -> None:
     # MPNet buckets key - query; ours take query - key
     want = MPNetEncoder.relative_position_bucket(-rel)
     assert torch.equal(mpnet.relative_buckets(rel), want)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_grouped_cpu_passes_equal_one_pass(saved, name: str) -> None:
+    """Engine's CPU passes in groups of rows (`EngineConfig.cpu_pass_tokens`) give every
+    family's embeddings and logits of the batch in one pass."""
+    from rose import Engine, EngineConfig, RaggedBatch
+
+    rows = _rows(8)
+    for kind in ("encoder", "classifier"):
+        path = saved[f"{name}-{kind}"][1]
+        pooling = ["mean"] * len(rows) if kind == "encoder" else None
+        batch = RaggedBatch.from_lists(rows, pooling=pooling)
+        whole = Engine.load(path, EngineConfig(cpu_pass_tokens=10**6))
+        grouped = Engine.load(path, EngineConfig(cpu_pass_tokens=max(LENGTHS)))
+        calls: list[int] = []
+        grouped._model.encoder.register_forward_hook(
+            lambda m, a, out, calls=calls: calls.append(len(out))
+        )
+        want, got = whole.step(batch).wait(), grouped.step(batch).wait()
+        assert len(calls) >= 3 and sum(calls) == sum(LENGTHS)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)

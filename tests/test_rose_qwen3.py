@@ -454,3 +454,19 @@ def test_cuda_flashinfer_agrees_with_sdpa(tmp_path: Path, mode: str) -> None:
         assert cos.min().item() >= 0.999, cos
     if uncovered:  # graphs agreed with eager, but FlashInfer itself was not tested
         pytest.skip(uncovered)
+
+
+@pytest.mark.parametrize("name", ["causal", "bidirectional", "ce"])
+def test_grouped_cpu_passes_equal_one_pass(models, name: str) -> None:
+    """CPU passes in groups of rows (`EngineConfig.cpu_pass_tokens`): last-token and mean
+    embeddings and classifier logits equal the batch's in one pass."""
+    path = models[name][1]
+    rows = _rows(9)
+    whole = Engine.load(path, EngineConfig(cpu_pass_tokens=10**6))
+    grouped = Engine.load(path, EngineConfig(cpu_pass_tokens=max(LENGTHS)))
+    calls: list[int] = []
+    grouped._model.encoder.register_forward_hook(lambda m, a, out: calls.append(len(out)))
+    want = whole.step(RaggedBatch.from_lists(rows)).wait()
+    got = grouped.step(RaggedBatch.from_lists(rows)).wait()
+    assert len(calls) >= 3 and sum(calls) == sum(LENGTHS)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
