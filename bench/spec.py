@@ -156,10 +156,11 @@ def _tulip_ngram() -> tuple[str, dict[str, Any]]:
 
 
 # n-gram lookup with SpecConfig's suffix lengths (1..4): the fixed-k row, and Tulip's default
+TULIP_NGRAM_LABEL, TULIP_NGRAM = _tulip_ngram()
 METHODS: dict[str, dict[str, Any]] = {
     "none": {"method": "none"},
     "ngram k=4": {"method": "ngram", "num_draft_tokens": 4},
-    **dict([_tulip_ngram()]),
+    TULIP_NGRAM_LABEL: TULIP_NGRAM,
     "draft 6L k=3": {"method": "draft", "num_draft_tokens": 3},
 }
 MTP_METHODS: dict[str, dict[str, Any]] = {

@@ -479,23 +479,24 @@ class Engine:
             return torch.from_numpy(a).to(device, non_blocking=True)
 
         cu = host.cu_seqlens
+        ids, positions = put(host.ids), put(host.positions)
+        types = None if host.types is None else put(host.types)
+        seg_ids, cu_seqlens = put(host.seg_ids), put(cu)
         limit = self._config.cpu_pass_tokens if device.type == "cpu" else int(cu[-1])
         parts = []
         for first, end in pass_groups(cu, limit):  # rows [first, end)
             a, b = int(cu[first]), int(cu[end])  # their tokens [a, b)
-            part_cu = cu[first : end + 1] - a
             parts.append(
                 self._encode(
-                    put(host.ids[a:b]),
-                    put(host.positions[a:b]),
-                    None if host.types is None else put(host.types[a:b]),
-                    put(host.seg_ids[a:b] - first),
-                    put(part_cu),
-                    self._attention.plan(part_cu),
+                    ids[a:b],
+                    positions[a:b],
+                    None if types is None else types[a:b],
+                    seg_ids[a:b] - first,
+                    cu_seqlens[first : end + 1] - a,
+                    self._attention.plan(cu[first : end + 1] - a),
                 )
             )
         hidden = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, H]
-        seg_ids, cu_seqlens = put(host.seg_ids), put(cu)
         spans = None
         if host.spans is not None:
             spans = (put(host.spans[0]), put(host.spans[1]), put(host.spans[2]))
