@@ -19,6 +19,7 @@ The run fails (exit 1) if ROSE's fp32 embeddings differ from sentence-transforme
 but wrong engine cannot pass.
 
     python -m bench engine [--threads=N] [--texts=N] [--rounds=N] [--batch=N] [--quick]
+                           [--results=PATH]
 """
 
 from __future__ import annotations
@@ -508,10 +509,16 @@ def main(argv: list[str]) -> int:
         help="a small run (< 2 min once the ONNX export is cached) that checks the bench works; "
         "results go to a temporary directory, not bench/results/",
     )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS,
+        help="where the table goes (the plot beside it); another CPU's run gets its own file",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.texts, args.rounds, args.precision_rounds = 16, 1, 1
-    results = RESULTS
+    results = args.results
     if args.quick:
         import tempfile
 

@@ -57,6 +57,7 @@ from rose.loading import (
     read_tensors,
 )
 from rose.models import EncoderConfig, Family, FamilyOptions, bert, family_for, qwen3
+from rose.packed import bf16_speedup
 from rose.pooling import POOL_CODES, pool_ragged
 
 __all__ = ["Engine", "pass_groups"]
@@ -232,6 +233,13 @@ class Engine:
         if config.quantize == "int8":
             engine._quantize_int8(path)
         mode = reduced_mode(config)
+        if mode == "bfloat16" and 0.0 < (speedup := bf16_speedup()) < 1.0:
+            log.warning(
+                "rose: --dtype bfloat16 on a CPU whose packed bf16 products run at %.2fx the "
+                "float32 rate: this mode halves the weights' memory but is slower here than "
+                "float32 (bf16 is fast on CPUs with AMX or AMD Zen 4's bf16 dot products)",
+                speedup,
+            )
         if mode is not None and config.accuracy_gate:
             worst = check_accuracy(engine, path, mode)  # EngineError below the mode's bound
             log.info("rose accuracy gate: %s min cosine to float32 %.6f", mode, worst)

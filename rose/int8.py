@@ -28,10 +28,13 @@ benchmark's texts) for multilingual-e5-small: mean per-row cosine to fp32 0.9998
 / 0.999845 / 0.999835 / 0.999841 / 0.999823 at a = 0.5 / 0.6 / 0.65 / 0.7 / 0.75 / 0.8.
 
 Contracting layers (``in_features > out_features``: the MLP's down projection, whose inputs
-are the activation's outputs with a few outlier channels) run in bf16 on oneDNN-packed weights
-instead (fp32 where the CPU lacks AVX-512 bf16): in int8 they took e5's worst row on a long
-passage to cosine 0.989. Everything between the products (attention, norms, residuals) stays
-float32.
+are the activation's outputs with a few outlier channels) stay float: in int8 they took e5's
+worst row on a long passage to cosine 0.989. They run in bf16 on oneDNN-packed weights where
+this CPU's packed bf16 products are faster than its fp32 ones (`rose.packed.bf16_speedup`,
+measured once at the first load), else packed fp32: on AMD Zen 4 bf16 made the int8 mode
+1.2x faster, on an Intel Xeon without AMX it made it 0.97x fp32 where fp32 gives 1.20x
+(multilingual-e5-small, 8 x 512 tokens, one thread). Everything between the products
+(attention, norms, residuals) stays float32.
 
 Accuracy gate: `check_accuracy` runs the model's check inputs (`CHECK_TEXTS`, real
 multilingual sentences tokenized by the directory's tokenizer.json, alone and joined into
@@ -291,17 +294,17 @@ def quantize_int8(
     """Apply the int8 scheme (module docstring) to every ``nn.Linear`` under `module`, in
     place: `Int8Linear` for layers with ``in_features <= out_features`` (smoothed by their
     entry in `input_amax`, from `calibrate`, when there is one), a bf16
-    `rose.packed.PackedLinear` for contracting ones (left as they are, for fp32 packing, on
-    CPUs without AVX-512 bf16). Returns how many became int8 (EngineError when this PyTorch
-    has no int8 CPU kernel)."""
-    from rose.packed import PackedLinear, can_pack
+    `rose.packed.PackedLinear` for contracting ones where this CPU runs bf16 products faster
+    than fp32 ones (else left as they are, for fp32 packing). Returns how many became int8
+    (EngineError when this PyTorch has no int8 CPU kernel)."""
+    from rose.packed import PackedLinear, bf16_speedup, can_pack
 
     if not int8_available():
         raise EngineError(
             "EngineConfig.quantize='int8' needs PyTorch's dynamic quantized linear with an "
             f"x86/fbgemm/onednn engine; this build has {torch.backends.quantized.supported_engines}"
         )
-    bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    bf16 = bf16_speedup() > 1.0
     swapped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):

@@ -20,14 +20,25 @@ module shares it (tied LM head and embeddings); `weight` unpacks on demand.
 `pack_linears` is what loaders call. It changes nothing, and says so, where the op does not
 exist (a PyTorch built without oneDNN), on GPUs, for dtypes other than float32/bfloat16, and
 for modules that need gradients (training keeps ``nn.Linear``).
+
+Whether bf16 products are faster than fp32 ones depends on the CPU, not on its flags alone:
+AMD Zen 4's AVX-512 bf16 dot products ran oneDNN's packed bf16 products ~1.5-2x its fp32
+ones, while an Intel Xeon (family 6 model 207) whose VM exposes AVX-512 bf16 but not AMX ran
+them at 0.58x (2048 x 384 -> 1536: 84 vs 146 GFLOP/s, one thread; its bf16 dot product has
+the fp32 FMAs' peak and adds conversions). `bf16_speedup` measures the ratio once per
+process, so callers choosing a format by speed (`rose.int8`'s contracting layers) choose
+by this CPU.
 """
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 from torch import nn
 
-__all__ = ["ACTIVATIONS", "PackedLinear", "can_pack", "pack_linears"]
+__all__ = ["ACTIVATIONS", "PackedLinear", "bf16_speedup", "can_pack", "pack_linears"]
 
 # Post-ops the fused kernel applies (name → oneDNN post-op name and algorithm).
 ACTIVATIONS: dict[str, tuple[str, str]] = {
@@ -194,3 +205,39 @@ def pack_linears(
         )
         packed += 1
     return packed
+
+
+# The product `bf16_speedup` times: an encoder MLP's shape at a pass's row count.
+_PROBE_SHAPE = (512, 1024, 1024)  # rows, in, out
+_PROBE_REPEATS = 5
+
+
+@functools.cache
+def bf16_speedup() -> float:
+    """How many times faster oneDNN's packed bf16 product runs than its packed fp32 product
+    on this CPU, at the current thread count (0.0 where bf16 weights cannot be packed).
+
+    Measured once per process (~30 ms): the fastest of `_PROBE_REPEATS` interleaved runs of
+    each on a [512, 1024] x [1024, 1024] product. A loaded machine slows both alike; the CPUs
+    this decides between sit far from 1 on either side (module docstring)."""
+    rows, n_in, n_out = _PROBE_SHAPE
+    probe = torch.Generator().manual_seed(0)
+    weight = torch.randn(n_out, n_in, generator=probe)
+    x = torch.randn(rows, n_in, generator=probe)
+    if not (can_pack(weight) and can_pack(weight.bfloat16())):
+        return 0.0
+    layers = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        linear = nn.Linear(n_in, n_out, bias=False, dtype=dtype).requires_grad_(False)
+        linear.weight.copy_(weight)
+        layers[dtype] = (PackedLinear(linear, batch_hint=rows), x.to(dtype))
+    best = dict.fromkeys(layers, float("inf"))
+    with torch.inference_mode():
+        for layer, inputs in layers.values():
+            layer(inputs)  # first call: oneDNN builds its kernel
+        for _ in range(_PROBE_REPEATS):
+            for dtype, (layer, inputs) in layers.items():
+                start = time.perf_counter()
+                layer(inputs)
+                best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.float32] / best[torch.bfloat16]

@@ -33,6 +33,7 @@ from rose.int8 import (
     per_sequence,
     row_cosines,
 )
+from rose.packed import PackedLinear
 
 TEXTS = [
     "query: which river flows through Vienna",
@@ -130,17 +131,46 @@ def test_int8_linear_scales_each_sequence_on_its_own() -> None:
         assert torch.equal(layer(x), together)
 
 
-def test_int8_swaps_only_the_encoder_linears(e5_dir: Path) -> None:
+@pytest.mark.parametrize("bf16_speedup", [1.8, 0.55])
+def test_int8_swaps_only_the_encoder_linears(
+    e5_dir: Path, monkeypatch: pytest.MonkeyPatch, bf16_speedup: float
+) -> None:
+    """int8 for the widening layers; the contracting down projection in packed bf16 on a CPU
+    whose bf16 products are faster than fp32 ones (AMD Zen 4: 1.5-2x), else packed fp32
+    (Intel without AMX: 0.55x)."""
+    import rose.packed
+
+    monkeypatch.setattr(rose.packed, "bf16_speedup", lambda: bf16_speedup)
     engine = Engine.load(e5_dir, EngineConfig(device="cpu", quantize="int8", accuracy_gate=False))
     model = engine._model
     for layer in model.encoder.layers:
         for linear in (layer.attention.qkv, layer.attention.out, layer.mlp.up):
             assert isinstance(linear, Int8Linear)
             assert linear.inv_smooth is not None  # calibrated on the check set
-        # the contracting down projection runs in bf16 where the CPU has it
-        assert not isinstance(layer.mlp.down, Int8Linear | torch.nn.Linear)
-        assert layer.mlp.down.weight.dtype == torch.bfloat16
+        assert isinstance(layer.mlp.down, PackedLinear)
+        want = torch.bfloat16 if bf16_speedup > 1 else torch.float32
+        assert layer.mlp.down.weight.dtype == want
         assert not layer.mlp.act_fused  # the model applies GELU after the int8 up projection
+
+
+@pytest.mark.parametrize("bf16_speedup", [1.8, 0.55])
+def test_bf16_mode_warns_on_a_cpu_where_bf16_is_slower(
+    e5_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    bf16_speedup: float,
+) -> None:
+    import rose.engine
+
+    monkeypatch.setattr(rose.engine, "bf16_speedup", lambda: bf16_speedup)
+    with caplog.at_level("WARNING", logger="rose.engine"):
+        Engine.load(e5_dir, EngineConfig(device="cpu", dtype="bfloat16", accuracy_gate=False))
+        Engine.load(e5_dir, EngineConfig(device="cpu", accuracy_gate=False))  # fp32: never
+    warned = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]
+    if bf16_speedup < 1:
+        assert len(warned) == 1 and "0.55x the float32 rate" in warned[0], warned
+    else:
+        assert warned == []
 
 
 def test_measure_modes_reports_every_mode(e5_dir: Path) -> None:
@@ -318,9 +348,12 @@ def test_models_verify_reports_each_mode(model_path, tmp_path: Path) -> None:  #
     assert "float32: min cosine to float32 1.0000" in out or "0.99999" in out, out
     assert "bfloat16: min cosine to float32 0.999" in out and "(bound 0.999: ok)" in out, out
     assert "int8: min cosine to float32 0.99" in out and "(bound 0.99: ok)" in out, out
-    recorded = json.loads((tmp_path / name / MANIFEST).read_text())["precision"]
+    assert "this CPU runs packed bf16 products at " in out, out
+    manifest = json.loads((tmp_path / name / MANIFEST).read_text())
+    recorded = manifest["precision"]
     assert set(recorded) == {"float32", "bfloat16", "int8"}
     assert recorded["int8"]["ok"] and recorded["int8"]["min_cosine"] >= MIN_COSINE["int8"]
+    assert manifest["cpu"]["bf16_speedup"] > 0
 
 
 # -- tiny random Qwen3 encoders (Qwen3-Embedding shape) and a Qwen3 classifier ---------------

@@ -173,3 +173,43 @@ def test_engine_packed_embeddings_equal_unpacked(e5_path) -> None:
 def test_engine_config_packed_weights_must_be_bool() -> None:
     with pytest.raises(EngineError, match="packed_weights"):
         EngineConfig(packed_weights="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("slow", [torch.float32, torch.bfloat16])
+def test_bf16_speedup_is_fp32_time_over_bf16_time(monkeypatch, slow: torch.dtype) -> None:
+    """The probe's ratio has the right orientation: a CPU whose bf16 products are slow
+    reports < 1, one whose fp32 products are slow > 1 (the products are slowed here by a
+    sleep, so the outcome does not depend on this machine's CPU)."""
+    import time
+
+    import rose.packed
+
+    real = PackedLinear._packed_product
+
+    def product(self: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+        if self._packed.dtype == slow:
+            time.sleep(0.2)
+        return real(self, x)
+
+    monkeypatch.setattr(PackedLinear, "_packed_product", product)
+    rose.packed.bf16_speedup.cache_clear()
+    try:
+        found = rose.packed.bf16_speedup()
+        assert rose.packed.bf16_speedup() == found  # measured once per process
+    finally:
+        rose.packed.bf16_speedup.cache_clear()
+    if slow == torch.bfloat16:
+        assert 0 < found < 0.5
+    else:
+        assert found > 2
+
+
+def test_bf16_speedup_is_zero_where_nothing_packs(monkeypatch) -> None:
+    import rose.packed
+
+    monkeypatch.setattr(rose.packed, "_ops_available", lambda: False)
+    rose.packed.bf16_speedup.cache_clear()
+    try:
+        assert rose.packed.bf16_speedup() == 0.0
+    finally:
+        rose.packed.bf16_speedup.cache_clear()

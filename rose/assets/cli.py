@@ -64,9 +64,16 @@ def _verify(args: argparse.Namespace) -> int:
     def action(config: AssetsConfig, name: str) -> None:
         path = verify_model(name, config, _log)
         print(path)
-        for mode, found in (read_manifest(path) or {}).get("precision", {}).items():
+        manifest = read_manifest(path) or {}
+        for mode, found in manifest.get("precision", {}).items():
             report = PrecisionReport(mode, found["min_cosine"], found["bound"], found["error"])
             print(f"  {report.line()}")
+        if (speedup := manifest.get("cpu", {}).get("bf16_speedup")) is not None:
+            verdict = "faster" if speedup > 1 else "not faster"
+            print(
+                f"  this CPU runs packed bf16 products at {speedup:.2f}x the float32 rate "
+                f"(bfloat16 is {verdict} than float32 here)"
+            )
 
     return _each(args.names, action)
 
