@@ -393,6 +393,14 @@ def _precision(path: Path, tokenizer, threads: int, quick: bool, rounds: int) ->
     return Precision(shapes, tps, cosines, overlap, passages_n, queries_n, rounds, versions)
 
 
+def _down_projection() -> str:
+    """The int8 mode's down-projection format on this CPU and why (`rose.packed.bf16_speedup`)."""
+    from rose.packed import bf16_speedup
+
+    speedup = bf16_speedup()
+    return f"{'bf16' if speedup > 1 else 'fp32'}, bf16 products at {speedup:.2f}x fp32's rate"
+
+
 def _precision_lines(p: Precision) -> tuple[list[str], bool]:
     """The section's markdown, and whether every ROSE mode met its cosine bound."""
     big = p.shapes[-1]
@@ -406,7 +414,8 @@ def _precision_lines(p: Precision) -> tuple[list[str], bool]:
         "ROSE bf16: weights, activations and attention in bf16 (oneDNN packed linears). "
         "ROSE int8: `rose.int8` (QKV, attention output and MLP up projection int8 per output "
         "channel with dynamic activations, one scale per sequence, SmoothQuant-smoothed with a "
-        "calibration at load; MLP down projection bf16). "
+        "calibration at load; MLP down projection in bf16 where this CPU's packed bf16 "
+        f"products are faster than fp32 ones, else fp32: here {_down_projection()}). "
         "sentence-transformers: its modules' forward on the ids (fp32). ONNX Runtime: the "
         "model exported with `torch.onnx` (mean pooling + normalization in the graph), "
         "default session optimizations; int8 = `onnxruntime.quantization.quantize_dynamic` "
@@ -692,7 +701,7 @@ def main(argv: list[str]) -> int:
     lines[at:at] = precision_lines
     if args.quick:
         lines.insert(1, "\n**--quick run: small, one round, noisy; not a result.**")
-    lines += _kept_sections(RESULTS)
+    lines += _kept_sections(results)
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text("\n".join(lines) + "\n", encoding="utf-8")
     _plot(precision, results.with_suffix(".png"))

@@ -28,7 +28,7 @@ per-round ratios (paired rounds, so machine load hits both alike).
 The run fails (exit 1) if ROSE's outputs disagree with the peer's (embeddings: cosine
 < 0.9999; cross-encoders: a logit more than 1e-3 away), so a fast but wrong run cannot pass.
 
-    python -m bench families [--quick] [--threads=N] [--rounds=N] [--models=a,b]
+    python -m bench families [--quick] [--threads=N] [--rounds=N] [--models=a,b] [--results=PATH]
 
 ``--quick`` runs few rows, half the layers and two rounds, and prints the table without
 writing results.
@@ -56,7 +56,6 @@ from bench.report import machine, percentile
 __all__ = ["main"]
 
 RESULTS = Path(__file__).parent / "results" / "families.md"
-PLOT = Path(__file__).parent / "results" / "families.png"
 BAR = 1.3  # ROSE tokens/s over the peer's
 MIN_COSINE = 0.9999
 MAX_LOGIT_DIFF = 1e-3
@@ -435,7 +434,7 @@ def _table(rows: list[Row]) -> list[str]:
     return lines
 
 
-def _plot(rows: list[Row]) -> bool:
+def _plot(rows: list[Row], where: Path) -> bool:
     try:
         import matplotlib
 
@@ -456,7 +455,7 @@ def _plot(rows: list[Row]) -> bool:
     ax.set_title("ROSE vs peers on the new families (label: ROSE ÷ peer)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(PLOT, dpi=110)
+    fig.savefig(where, dpi=110)
     plt.close(fig)
     return True
 
@@ -472,6 +471,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--models", default=",".join(m.name for m in MODELS))
     parser.add_argument(
         "--quick", action="store_true", help="few rows and layers, 2 rounds, no results written"
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS,
+        help="where the table goes (the plot beside it); another CPU's run gets its own file",
     )
     args = parser.parse_args(argv)
     if args.quick:
@@ -530,7 +535,7 @@ def main(argv: list[str]) -> int:
     ]
     print("\n".join(lines))
     if not args.quick:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text("\n".join(lines), encoding="utf-8")
-        _plot(rows)
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text("\n".join(lines), encoding="utf-8")
+        _plot(rows, args.results.with_suffix(".png"))
     return 0 if correct else 1

@@ -479,7 +479,7 @@ class Engine:
 
     def _run_eager(self, host: _HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(pooled rows, hidden states [T, H]) of an eager pass. On CPU the encoder runs
-        over groups of whole rows of at most ``config.cpu_pass_tokens`` tokens
+        over groups of whole rows of at most ``config.resolved_cpu_pass_tokens`` tokens
         (`pass_groups`), whose hidden states are joined."""
         device = self._device
 
@@ -490,7 +490,7 @@ class Engine:
         ids, positions = put(host.ids), put(host.positions)
         types = None if host.types is None else put(host.types)
         seg_ids, cu_seqlens = put(host.seg_ids), put(cu)
-        limit = self._config.cpu_pass_tokens if device.type == "cpu" else int(cu[-1])
+        limit = self._config.resolved_cpu_pass_tokens if device.type == "cpu" else int(cu[-1])
         parts = []
         for first, end in pass_groups(cu, limit):  # rows [first, end)
             a, b = int(cu[first]), int(cu[end])  # their tokens [a, b)

@@ -173,6 +173,27 @@ def test_bf16_mode_warns_on_a_cpu_where_bf16_is_slower(
         assert warned == []
 
 
+def test_int8_passes_default_to_groups_of_512_tokens(e5_dir: Path) -> None:
+    """int8 runs CPU passes in groups of at most 512 tokens unless told otherwise (its
+    products are per sequence, so larger groups only add joins), fp32 in 2,048; the
+    grouping changes no output."""
+    assert EngineConfig(quantize="int8").resolved_cpu_pass_tokens == 512
+    assert EngineConfig().resolved_cpu_pass_tokens == 2048
+    assert EngineConfig(quantize="int8", cpu_pass_tokens=100).resolved_cpu_pass_tokens == 100
+    with pytest.raises(EngineError, match="cpu_pass_tokens must be None or an integer >= 1"):
+        EngineConfig(cpu_pass_tokens=0)
+    rng = np.random.default_rng(5)
+    rows = [rng.integers(5, 1000, n).tolist() for n in (300, 200, 100, 500, 40, 30)]
+    grouped = Engine.load(e5_dir, EngineConfig(device="cpu", quantize="int8"))
+    whole = Engine.load(e5_dir, EngineConfig(device="cpu", quantize="int8", cpu_pass_tokens=10**6))
+    calls: list[int] = []
+    grouped._model.encoder.register_forward_hook(lambda m, args, out: calls.append(out.shape[0]))
+    batch = RaggedBatch.from_lists(rows)
+    got, want = grouped.step(batch).numpy(), whole.step(batch).numpy()
+    assert calls == [500, 100, 500, 70], calls  # 300 + 200 | 100 | 500 | 40 + 30
+    assert row_cosines(got, want).min() > 0.99999
+
+
 def test_measure_modes_reports_every_mode(e5_dir: Path) -> None:
     found = measure_modes(e5_dir)
     assert set(found) == {"float32", "bfloat16", "int8"}
