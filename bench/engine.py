@@ -400,10 +400,13 @@ def _precision(path: Path, tokenizer, threads: int, quick: bool, rounds: int) ->
 
 def _down_projection() -> str:
     """The int8 mode's down-projection format on this CPU and why (`rose.packed.bf16_speedup`)."""
+    import torch
+
+    from rose.int8 import contracting_dtype
     from rose.packed import bf16_speedup
 
-    speedup = bf16_speedup()
-    return f"{'bf16' if speedup > 1 else 'fp32'}, bf16 products at {speedup:.2f}x fp32's rate"
+    name = "bf16" if contracting_dtype() == torch.bfloat16 else "fp32"
+    return f"{name}, bf16 products at {bf16_speedup():.2f}x fp32's rate"
 
 
 def _precision_lines(p: Precision) -> tuple[list[str], bool]:

@@ -77,6 +77,7 @@ __all__ = [
     "Int8Linear",
     "calibrate",
     "check_accuracy",
+    "contracting_dtype",
     "check_batch",
     "int8_available",
     "measure_modes",
@@ -288,6 +289,14 @@ def weight_scales(weight: torch.Tensor) -> torch.Tensor:
     return (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
 
 
+def contracting_dtype() -> torch.dtype:
+    """The dtype `quantize_int8` gives contracting layers on this CPU: bf16 where its packed
+    bf16 products are faster than fp32 ones (`rose.packed.bf16_speedup`), else fp32."""
+    from rose.packed import bf16_speedup
+
+    return torch.bfloat16 if bf16_speedup() > 1.0 else torch.float32
+
+
 def quantize_int8(
     module: nn.Module, input_amax: dict[nn.Module, torch.Tensor] | None = None
 ) -> int:
@@ -297,14 +306,14 @@ def quantize_int8(
     `rose.packed.PackedLinear` for contracting ones where this CPU runs bf16 products faster
     than fp32 ones (else left as they are, for fp32 packing). Returns how many became int8
     (EngineError when this PyTorch has no int8 CPU kernel)."""
-    from rose.packed import PackedLinear, bf16_speedup, can_pack
+    from rose.packed import PackedLinear, can_pack
 
     if not int8_available():
         raise EngineError(
             "EngineConfig.quantize='int8' needs PyTorch's dynamic quantized linear with an "
             f"x86/fbgemm/onednn engine; this build has {torch.backends.quantized.supported_engines}"
         )
-    bf16 = bf16_speedup() > 1.0
+    bf16 = contracting_dtype() == torch.bfloat16
     swapped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
