@@ -875,16 +875,29 @@ def test_a_stalled_replica_is_hedged_and_marked_suspect(
         try:
             a.mode = "stall"
             with httpx.Client(base_url=base, timeout=30) as http:
-                for i in range(6):
+
+                def embed(i: int) -> None:
                     start = time.monotonic()
-                    r = http.post("/v1/embeddings", json={"input": f"w{i + 1}", "model": "fake"})
+                    r = http.post("/v1/embeddings", json={"input": f"w{i}", "model": "fake"})
                     assert r.status_code == 200, r.text
                     assert time.monotonic() - start < 2.0  # not the stalled replica's 3 s
+
+                # The balancer picks at random between idle replicas: send until one
+                # request meets `a` (all of 40 missing it: odds 2**-40).
+                before, sent = a.received, 0
+                while a.received == before and sent < 40:
+                    sent += 1
+                    embed(sent)
+                assert a.received == before + 1, sent
+                # That request was hedged, and `a` is now suspect: the next few (well
+                # within its suspect second) all go to `b` alone.
+                for i in range(3):
+                    embed(sent + 1 + i)
+                assert a.received == before + 1
                 metrics = http.get("/metrics").text
             assert 'ivy_hedges_total{model="fake"} ' in metrics
             hedges = float(metrics.split('ivy_hedges_total{model="fake"} ')[1].split()[0])
-            # The first request that met `a` was hedged; `a` was then avoided as suspect.
-            assert 1 <= hedges <= 3, hedges
+            assert hedges == 1, hedges
             deadline = time.monotonic() + 5
             while not a.cancels and time.monotonic() < deadline:
                 time.sleep(0.05)
