@@ -9,8 +9,10 @@ server must not change any request's vectors beyond float32 rounding (ATOL).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -406,6 +408,58 @@ def test_score_matches_rose_and_transformers(reranker_dir: Path, tmp_path: Path)
             types = torch.tensor([[0] * first + [1] * (len(pair) - first)])
             hf = model(input_ids=torch.tensor([pair]), token_type_ids=types).logits
             np.testing.assert_allclose(logits[i], hf[0].numpy(), atol=ATOL)
+
+
+# -- loading ----------------------------------------------------------------------------
+
+
+def test_the_model_loads_on_a_thread_whose_openmp_team_ends_with_it() -> None:
+    """Loading runs parallel torch ops, which make the loading thread master of an OpenMP
+    thread team; that thread and its team must be gone before serving, or the engine
+    thread's passes run with libgomp's throttled spin-waits (`_on_a_thread_that_ends`; at 2
+    threads a replica's passes took ~1.5x the in-process time that way)."""
+    from tulip.server import _on_a_thread_that_ends
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    def settled() -> int:
+        """The thread count once it has held for 0.3 s (a team's workers exit once woken
+        by its end, not at once)."""
+        deadline = time.monotonic() + 5
+        count, since = threads(), time.monotonic()
+        while time.monotonic() - since < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+            if threads() != count:
+                count, since = threads(), time.monotonic()
+        return count
+
+    during: list[int] = []
+
+    def load() -> threading.Thread:
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            x = torch.randn(512, 512)
+            (x @ x).exp_()  # parallel regions: this thread now masters a team
+            during.append(threads())
+        finally:
+            torch.set_num_threads(before)
+        return threading.current_thread()
+
+    torch.set_num_threads(torch.get_num_threads())  # threads torch starts once per process
+    start = settled()
+    loader = _on_a_thread_that_ends(load)
+    assert during[-1] >= start + 2, "no loader thread + OpenMP worker: this proves nothing"
+    assert loader is not threading.current_thread()
+    assert not loader.is_alive()
+    assert settled() == start
+
+    def fail() -> None:
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        _on_a_thread_that_ends(fail)
 
 
 # -- graceful drain ---------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Life of the process:
 
 1. metrics endpoint and gRPC server start; health says NOT_SERVING;
-2. the model loads (in a thread) and runs a warm-up batch; health says SERVING. An
+2. the model loads (on a thread of its own, which ends: `_on_a_thread_that_ends`) and runs
+   a warm-up batch; health says SERVING. An
    encoder (embedding / cross-encoder) is served through the batching `Scheduler`; a
    decoder (Llama, Qwen2, Qwen3 causal LMs: `tulip.generation.is_generator`, or
    ``--runner generate``) through `GenerationBackend`;
@@ -17,8 +18,10 @@ import asyncio
 import dataclasses
 import logging
 import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -43,6 +46,35 @@ _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 log = logging.getLogger("tulip")
+
+_T = TypeVar("_T")
+
+
+def _on_a_thread_that_ends(fn: Callable[..., _T], *args: object) -> _T:
+    """``fn(*args)`` on a new thread, returning (or raising) once that thread has ended.
+
+    Why: loading runs torch ops (weight packing, the int8 probe), and each thread that runs
+    a parallel op becomes the master of a libgomp (OpenMP) thread team that lives as long
+    as the thread. A loader's team kept alive beside the engine thread's puts more OpenMP
+    threads in the process than it has CPUs, and libgomp then cuts its spin-wait before
+    sleeping from ~300,000 turns to ~100: every parallel op of every pass wakes its workers
+    from sleep. With 2 threads per replica on the 2-core machine a 128-token e5-small pass
+    took 56-61 ms that way against 33-43 ms with one team (bench/results/serving-xeon.md).
+    A thread that ends frees its team, so only the engine thread's is left."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name="tulip-load", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]  # type: ignore[return-value]
 
 
 def load_backend(config: TulipConfig) -> RoseBackend | GenerationBackend:
@@ -91,7 +123,7 @@ async def serve(
 
     backend: RoseBackend | GenerationBackend | None = None
     try:
-        loading = asyncio.ensure_future(asyncio.to_thread(load, config))
+        loading = asyncio.ensure_future(asyncio.to_thread(_on_a_thread_that_ends, load, config))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if not loading.done():
