@@ -1,7 +1,7 @@
 """`trellis up`: a local cluster of Tulip replicas behind one Ivy gateway.
 
 Resolves the model once (a directory, a bundled asset, or a Hub id ``owner/name[@revision]``
-downloaded through `rose.hub`), gives each replica every core (see `ClusterConfig`), starts
+downloaded through `rose.hub`), divides the cores among the replicas (see `ClusterConfig`), starts
 every process, waits until Ivy reports ready, prints example requests, and on Ctrl-C or
 SIGTERM drains and stops everything (Ivy first so no new work arrives, then replicas).
 """
@@ -35,14 +35,16 @@ class ClusterConfig:
     """A local cluster: one model, ``replicas`` Tulip processes, one Ivy."""
 
     model: str = _DEFAULT_MODEL
-    replicas: int = 2
+    # One replica with every core: with the replicas' torch threads summing to more than
+    # the cores, their OpenMP workers spin at barriers for partners that are not running;
+    # on the 2-core machine 2 replicas x 2 threads served 4 concurrent clients at 2.2 req/s
+    # against 27.6 for 1 x 2 (bench/results/serving-xeon.md). So `threads` divides the
+    # cores among the replicas unless told otherwise, and one replica is the default: a
+    # lone request gets the whole machine, concurrent ones are batched by its scheduler.
+    replicas: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
-    # 0: every core for each replica. Measured on the 2-core machine (bench/results/
-    # serving.md): a lone request then runs on the whole machine (batch-1 latency of one
-    # process), while concurrent requests on both replicas share the cores as well as
-    # dividing them does (throughput, 16 clients); dividing them halves the lone request's.
-    threads_per_replica: int = 0
+    threads_per_replica: int = 0  # 0: the cores divided among the replicas (at least 1)
     ivy_workers: int = 1
     chunk_tokens: int = 8192
     ready_timeout_seconds: float = 600.0
@@ -67,10 +69,21 @@ class ClusterConfig:
             raise ValueError("ready-timeout-seconds: must be > 0")
 
     def threads(self) -> int:
+        """Torch threads per replica: ``threads_per_replica``, else the cores divided
+        among the replicas (at least 1 each)."""
         if self.threads_per_replica:
             return self.threads_per_replica
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return max(1, cores or 1)
+        return max(1, _cores() // self.replicas)
+
+    def oversubscribed(self) -> bool:
+        """More torch threads in all replicas than cores (passes stall one another)."""
+        return self.replicas * self.threads() > _cores()
+
+
+def _cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
 
 
 def _die_with_parent() -> None:
@@ -300,6 +313,14 @@ def run(config: ClusterConfig) -> int:
             f"at {', '.join(cluster.replica_addresses)}; Ivy on {cluster.base_url}",
             flush=True,
         )
+        if config.oversubscribed():
+            print(
+                f"trellis up: warning: {config.replicas} x {config.threads()} threads on "
+                f"{_cores()} cores; replicas sharing cores stall each other's passes under "
+                "load (leave --threads-per-replica at 0 to divide the cores)",
+                file=sys.stderr,
+                flush=True,
+            )
         failure: list[BaseException] = []
 
         def wait() -> None:
@@ -361,7 +382,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="Ivy's listen address")
     parser.add_argument("--port", type=int, default=8000, help="Ivy's port (default 8000)")
     parser.add_argument(
-        "--threads-per-replica", type=int, default=0, help="0: every core (default)"
+        "--threads-per-replica",
+        type=int,
+        default=0,
+        help="0: the cores divided among the replicas (default)",
     )
     parser.add_argument("--ivy-workers", type=int, default=1)
     parser.add_argument("--chunk-tokens", type=int, default=ClusterConfig.chunk_tokens)

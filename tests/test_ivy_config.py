@@ -140,3 +140,22 @@ def test_contextualized_limits_come_from_the_config(model_dir: Path) -> None:
     assert (limits.documents, limits.chunks, limits.document_tokens) == (8, 20, 32_768)
     with pytest.raises(ConfigError, match="^max-request-tokens: must be >= 1"):
         parse_config([*base, "--max-request-tokens", "0"], {})
+
+
+def test_trellis_up_divides_the_cores_among_its_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Replicas whose torch threads add up to more than the cores stall one another's
+    passes (OpenMP workers spin for partners that are not running), so `trellis up` never
+    lays them out that way unless told to, and then it says so."""
+    import os
+
+    from ivy.cluster import ClusterConfig
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert (ClusterConfig().replicas, ClusterConfig().threads()) == (1, 4)
+    assert ClusterConfig(replicas=2).threads() == 2
+    assert ClusterConfig(replicas=3).threads() == 1
+    assert not any(ClusterConfig(replicas=n).oversubscribed() for n in (1, 2, 3, 4))
+    assert ClusterConfig(replicas=8).threads() == 1  # at least one each ...
+    assert ClusterConfig(replicas=8).oversubscribed()  # ... which is then too many
+    assert ClusterConfig(replicas=2, threads_per_replica=3).threads() == 3
+    assert ClusterConfig(replicas=2, threads_per_replica=3).oversubscribed()

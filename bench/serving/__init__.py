@@ -13,7 +13,7 @@ tokens and 4 concurrent clients; (4) latency with 1..16 concurrent single-input 
 in-process ROSE with N threads, requests interleaved, plus Ivy's own share of each request
 (wall time minus the replica-reported queue + inference time from ``Server-Timing``).
 Every served answer is checked against the in-process ROSE embedding (cosine >= 0.999),
-so a fast but wrong run fails. Results: bench/results/serving.md (+ serving_*.png).
+so a fast but wrong run fails. Results: bench/results/serving.md (+ serving_*.png), or ``--results PATH``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.report import percentile
+from bench.report import machine, percentile
 
 __all__ = ["main"]
 
@@ -453,8 +453,9 @@ def run(args: argparse.Namespace) -> int:
         torch.__version__,
         args.replicas,
         ivy_threads=args.replica_threads,
+        report=Path(args.results),
     )
-    previous = RESULTS / "serving.json"
+    previous = Path(args.results).with_suffix(".json")
     if args.latency_only:
         # Only table (5); every other table is kept from the previous run.
         if previous.exists():
@@ -464,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
             model_dir, rose_embed, t128[0], args.threads, _FAIR_REQUESTS
         )
         # Keep the previous run's header (its machine notes describe tables 1-4).
-        md_path = RESULTS / "serving.md"
+        md_path = Path(args.results)
         header = None
         if md_path.exists():
             old = md_path.read_text(encoding="utf-8").splitlines()
@@ -531,11 +532,14 @@ def write_results(
     quiet: bool = False,
     header: list[str] | None = None,
     ivy_threads: int = 0,
+    report: Path = RESULTS / "serving.md",
 ) -> None:
+    """Write ``report`` and, beside it, the tables as JSON (``.json``) and the plots
+    (``<stem>_concurrency.png``, ``<stem>_throughput.png``)."""
     import importlib.metadata as md
 
     replicas, threads = layout(ivy_replicas, ivy_threads)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    report.parent.mkdir(parents=True, exist_ok=True)
     versions = []
     for pkg in ("torch", "sentence-transformers", "transformers", "uvicorn", "grpcio"):
         with contextlib.suppress(md.PackageNotFoundError):
@@ -543,7 +547,7 @@ def write_results(
     lines = [
         "# Serving benchmark (bench/serving)",
         "",
-        f"Model {MODEL}, CPU. Machine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"Model {MODEL}, CPU. Machine: {platform.machine()}, {machine()}, "
         f"Python {platform.python_version()}, load average at end "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}. {'; '.join(versions)}.",
         f"Plan: {plan}. {note}",
@@ -575,12 +579,12 @@ def write_results(
             )
         lines.append("")
     lines += ratios(tables)
-    (RESULTS / "serving.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
     raw = {
         k: [{"system": r.system, "values": r.values} for r in rows] for k, rows in tables.items()
     }
-    (RESULTS / "serving.json").write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
-    plot(tables)
+    report.with_suffix(".json").write_text(json.dumps(raw, indent=1) + "\n", encoding="utf-8")
+    plot(tables, report)
     if not quiet:
         print("\n".join(lines))
 
@@ -645,7 +649,7 @@ def ratios(tables: dict[str, list[Row]]) -> list[str]:
     return out + [""]
 
 
-def plot(tables: dict[str, list[Row]]) -> None:
+def plot(tables: dict[str, list[Row]], report: Path) -> None:
     try:
         import matplotlib
 
@@ -669,19 +673,24 @@ def plot(tables: dict[str, list[Row]]) -> None:
         ax.set_xscale("log", base=2)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(RESULTS / "serving_concurrency.png", dpi=100)
+        fig.savefig(report.with_name(f"{report.stem}_concurrency.png"), dpi=100)
     rows = tables["throughput"]
     if rows:
         fig, ax = plt.subplots(figsize=(6, 3))
         ax.barh([r.system for r in rows], [float(r.values["embeddings/s"]) for r in rows])
         ax.set_xlabel("embeddings/s (batch 100 x 512 tokens, 4 clients)")
         fig.tight_layout()
-        fig.savefig(RESULTS / "serving_throughput.png", dpi=100)
+        fig.savefig(report.with_name(f"{report.stem}_throughput.png"), dpi=100)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench serving")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    parser.add_argument(
+        "--results",
+        default=str(RESULTS / "serving.md"),
+        help="the report to write (JSON and plots beside it), e.g. one per machine",
+    )
     parser.add_argument("--infinity-venv", default="~/.cache/trellis/bench-venvs/infinity")
     parser.add_argument("--skip-infinity", action="store_true")
     parser.add_argument(
