@@ -1,8 +1,8 @@
 """`trellis up`: a local cluster of Tulip replicas behind one Ivy gateway.
 
 Resolves the model once (a directory, a bundled asset, or a Hub id ``owner/name[@revision]``
-downloaded through `rose.hub`), divides the cores among the replicas (see `ClusterConfig`), starts
-every process, waits until Ivy reports ready, prints example requests, and on Ctrl-C or
+downloaded through `rose.hub`), divides the cores among the replicas (see `ClusterConfig`),
+starts every process, waits until Ivy reports ready, prints example requests, and on Ctrl-C or
 SIGTERM drains and stops everything (Ivy first so no new work arrives, then replicas).
 """
 

@@ -217,8 +217,8 @@ def bf16_speedup() -> float:
     """How many times faster oneDNN's packed bf16 product runs than its packed fp32 product
     on this CPU, at the current thread count (0.0 where bf16 weights cannot be packed).
 
-    Measured once per process (30-90 ms, packing included): the fastest of `_PROBE_REPEATS` interleaved runs of
-    each on a [512, 1024] x [1024, 1024] product. A loaded machine slows both alike; the CPUs
+    Measured once per process (30-90 ms, packing included): the fastest of `_PROBE_REPEATS`
+    interleaved runs of each on a [512, 1024] x [1024, 1024] product. A loaded machine slows both alike; the CPUs
     this decides between sit far from 1 on either side (module docstring)."""
     rows, n_in, n_out = _PROBE_SHAPE
     probe = torch.Generator().manual_seed(0)

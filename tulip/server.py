@@ -4,10 +4,9 @@ Life of the process:
 
 1. metrics endpoint and gRPC server start; health says NOT_SERVING;
 2. the model loads (on a thread of its own, which ends: `_on_a_thread_that_ends`) and runs
-   a warm-up batch; health says SERVING. An
-   encoder (embedding / cross-encoder) is served through the batching `Scheduler`; a
-   decoder (Llama, Qwen2, Qwen3 causal LMs: `tulip.generation.is_generator`, or
-   ``--runner generate``) through `GenerationBackend`;
+   a warm-up batch; health says SERVING. An encoder (embedding / cross-encoder) is served
+   through the batching `Scheduler`; a decoder (Llama, Qwen2, Qwen3 causal LMs:
+   `tulip.generation.is_generator`, or ``--runner generate``) through `GenerationBackend`;
 3. on SIGTERM/SIGINT health says NOT_SERVING, new work is refused (UNAVAILABLE), queued
    and in-flight work completes within ``drain_seconds``; the process exits 0.
 """
@@ -18,9 +17,9 @@ import asyncio
 import dataclasses
 import logging
 import signal
-import threading
 import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import grpc
@@ -61,20 +60,9 @@ def _on_a_thread_that_ends(fn: Callable[..., _T], *args: object) -> _T:
     from sleep. With 2 threads per replica on the 2-core machine a 128-token e5-small pass
     took 56-61 ms that way against 33-43 ms with one team (bench/results/serving-xeon.md).
     A thread that ends frees its team, so only the engine thread's is left."""
-    box: dict[str, object] = {}
-
-    def run() -> None:
-        try:
-            box["result"] = fn(*args)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name="tulip-load", daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["result"]  # type: ignore[return-value]
+    # Leaving the block shuts the pool down, which joins its thread.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tulip-load") as pool:
+        return pool.submit(fn, *args).result()
 
 
 def load_backend(config: TulipConfig) -> RoseBackend | GenerationBackend:

@@ -13,7 +13,8 @@ tokens and 4 concurrent clients; (4) latency with 1..16 concurrent single-input 
 in-process ROSE with N threads, requests interleaved, plus Ivy's own share of each request
 (wall time minus the replica-reported queue + inference time from ``Server-Timing``).
 Every served answer is checked against the in-process ROSE embedding (cosine >= 0.999),
-so a fast but wrong run fails. Results: bench/results/serving.md (+ serving_*.png), or ``--results PATH``.
+so a fast but wrong run fails. Results: bench/results/serving.md (+ serving_*.png), or
+``--results PATH`` (+ its .json and plots beside it).
 """
 
 from __future__ import annotations
@@ -453,9 +454,9 @@ def run(args: argparse.Namespace) -> int:
         torch.__version__,
         args.replicas,
         ivy_threads=args.replica_threads,
-        report=Path(args.results),
+        report=args.results,
     )
-    previous = Path(args.results).with_suffix(".json")
+    previous = args.results.with_suffix(".json")
     if args.latency_only:
         # Only table (5); every other table is kept from the previous run.
         if previous.exists():
@@ -465,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
             model_dir, rose_embed, t128[0], args.threads, _FAIR_REQUESTS
         )
         # Keep the previous run's header (its machine notes describe tables 1-4).
-        md_path = Path(args.results)
+        md_path = args.results
         header = None
         if md_path.exists():
             old = md_path.read_text(encoding="utf-8").splitlines()
@@ -688,7 +689,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     parser.add_argument(
         "--results",
-        default=str(RESULTS / "serving.md"),
+        type=Path,
+        default=RESULTS / "serving.md",
         help="the report to write (JSON and plots beside it), e.g. one per machine",
     )
     parser.add_argument("--infinity-venv", default="~/.cache/trellis/bench-venvs/infinity")
