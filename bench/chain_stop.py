@@ -22,7 +22,6 @@ best ``min_prob``; `bench.spec`'s "stop" chain row uses the value chosen here.
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from bench import spec as bench_spec
+from bench.report import machine
 
 __all__ = ["main", "tuning_prompts"]
 
@@ -153,7 +153,7 @@ def _write(
         "",
         "## Machine",
         "",
-        f"- {platform.machine()}, {os.cpu_count()} CPUs visible, load average "
+        f"- {machine()}, load average "
         f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; torch {torch.__version__}",
         f"- ITL p50 of the best: "
         f"{statistics.median(next(r for r in runs if r.method == best).itl_ms):.1f} ms",

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.report import machine
+
 __all__ = ["main"]
 
 RESULTS = Path(__file__).parent / "results" / "grammar.md"
@@ -322,7 +324,7 @@ def main(argv: list[str]) -> int:
     lines += [
         "",
         f"{versions}; torch {torch.__version__}; Python {platform.python_version()}; "
-        f"{platform.machine()}, 1 torch thread.",
+        f"{machine()}, 1 torch thread.",
         "",
     ]
     RESULTS.write_text("\n".join(lines))

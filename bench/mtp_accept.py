@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bench.report import machine
+
 if TYPE_CHECKING:
     from rose.models.llama import LlamaForCausalLM
     from rose.spec.mtp import MTPHead
@@ -121,7 +123,7 @@ def main(argv: list[str]) -> int:
     lines += [
         "",
         f"python {platform.python_version()}, torch {torch.__version__}, "
-        f"{platform.machine()}, torch threads 1",
+        f"{machine()}, torch threads 1",
     ]
     lines += [f"FAIL {f}" for f in failures]
     RESULTS.mkdir(exist_ok=True)

@@ -22,7 +22,6 @@ scores a head's held-out acceptance alone, without timing.
 from __future__ import annotations
 
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -33,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bench.report import percentile
+from bench.report import machine, percentile
 
 if TYPE_CHECKING:
     from rose.generate import GenerationEngine
@@ -532,7 +531,7 @@ def _write(
         "",
         "## Machine",
         "",
-        f"- {platform.machine()}, {os.cpu_count()} CPUs visible, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
+        f"- {machine()}, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
         "(a shared machine: absolute numbers are noisy, ratios less so)",
         f"- python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}",
         "- drafter for draft-target: the target's first "

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bench.report import percentile
+from bench.report import machine, percentile
 from tulip.client import TulipClient
 from tulip.process import TulipProcess
 
@@ -214,20 +214,12 @@ def _report(
             f"{_ms(row.latency.p(99))} | {row.requests_per_batch:.2f} | "
             f"{row.requests_per_s / base:.2f}x |"
         )
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or "unknown",
-    )
     (b1, b5, b15), (a1, a5, a15) = load
     lines += [
         "",
         "## Machine and versions",
         "",
-        f"- CPU: {cpu}, {os.cpu_count()} cores; torch intra-op threads {threads} in the "
+        f"- CPU: {machine()}; torch intra-op threads {threads} in the "
         "benchmark process and in the server (`--threads`)",
         f"- load average (1/5/15 min): {b1:.1f}/{b5:.1f}/{b15:.1f} at start, "
         f"{a1:.1f}/{a5:.1f}/{a15:.1f} at end. Other jobs share this machine, so absolute "

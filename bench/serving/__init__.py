@@ -548,7 +548,7 @@ def write_results(
     lines = [
         "# Serving benchmark (bench/serving)",
         "",
-        f"Model {MODEL}, CPU. Machine: {platform.machine()}, {machine()}, "
+        f"Model {MODEL}, CPU. Machine: {machine()}, "
         f"Python {platform.python_version()}, load average at end "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}. {'; '.join(versions)}.",
         f"Plan: {plan}. {note}",
