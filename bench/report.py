@@ -18,7 +18,7 @@ def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q))
 
 
-def machine() -> str:
+def machine(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The CPU's model name, family / model numbers, the vector features that pick the kernels
     (AVX-512, bf16, VNNI, AMX) and how many logical CPUs this process sees.
 
@@ -26,7 +26,7 @@ def machine() -> str:
     Zen 4 at family 25 and Zen 5 at family 26, and their fp32 peak differs by 2x per core)."""
     cpu, family, model, flags = platform.processor() or "unknown", "?", "?", set()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in cpuinfo.read_text().splitlines():
             key, _, value = (part.strip() for part in line.partition(":"))
             if key == "model name":
                 cpu = value
