@@ -25,7 +25,7 @@ help:
 	@echo "make test    install and run every test (pytest + cargo test)"
 	@echo "make lint    ruff, cargo fmt --check, cargo clippy -D warnings"
 	@echo "make bench   run the benchmarks (results in bench/results/)"
-	@echo "make bench-peers  install the benchmarks' peers (Infinity, ONNX Runtime)"
+	@echo "make bench-peers  install the benchmarks' peers (Infinity, llguidance)"
 	@echo "make deploy-check  render and validate deploy/ (kustomize, compose, hadolint)"
 	@echo "make protos  regenerate the gRPC stubs from protos/"
 	@echo "make clean   remove the virtual environment and build outputs"
@@ -77,7 +77,8 @@ $(INFINITY): $(BIN)/python
 	VIRTUAL_ENV=$(INFINITY_VENV) $(UV) pip install --quiet "infinity-emb[server,torch]==0.0.77" \
 		"click==8.1.8"  # infinity's typer CLI fails on click >= 8.2
 
-# The engine benchmark's peers (ONNX Runtime) run in this environment: the `bench` extra.
+# Peers the benchmarks run in this environment (llguidance for `bench grammar`): the `bench`
+# extra; ONNX Runtime, the engine bench's peer, is a runtime dependency.
 $(BENCH_STAMP): $(BIN)/python pyproject.toml
 	VIRTUAL_ENV=$(abspath $(VENV)) $(UV) pip install --quiet -r pyproject.toml --extra bench
 	touch $@

@@ -140,18 +140,58 @@ def _sdpa_sweep() -> list[tuple[int, int, float, float, str, str]]:
     return sweep
 
 
+def _kernel_sweep() -> list[tuple[int, float, float]]:
+    """One row of each length through SDPA (PyTorch's CPU flash kernel) and through the CPU
+    default, ONNX Runtime's kernel (`rose.attention.onnxrt`): (tokens, sdpa s, ort s). The
+    operands are what the encoders pass, views of one fused q/k/v projection."""
+    import torch
+
+    from rose.attention import OnnxRuntimeBackend, select_backend
+    from rose.attention.base import AttentionInputs
+    from rose.attention.sdpa import SdpaBackend
+
+    ort = select_backend(None, "per-sequence", torch.device("cpu"), torch.float32, 12, 32).backend
+    if not isinstance(ort, OnnxRuntimeBackend):
+        return []
+    sdpa = SdpaBackend("per-sequence")
+    sweep = []
+    for length in (16, 32, 64, 128, 256, 512, 1024, 2048):
+        cu = np.array([0, length], dtype=np.int64)
+        q, k, v = torch.randn(length, 3, 12, 32).unbind(1)  # [L, 12, 32] views
+        inputs = AttentionInputs(torch.from_numpy(cu), torch.zeros(length, dtype=torch.long))
+        times = []
+        for backend in (sdpa, ort):
+            state = backend.prepare(backend.plan(cu), inputs)
+
+            def once(b: object = backend, state: object = state, qkv: tuple = (q, k, v)) -> None:
+                with torch.inference_mode():
+                    b.attend(*qkv, state)  # type: ignore[attr-defined]
+
+            for _ in range(3):
+                once()
+            times.append(statistics.median(_timed(once) for _ in range(15)))
+        sweep.append((length, times[0], times[1]))
+    return sweep
+
+
 # -- reduced precision (issue #25) -----------------------------------------------------------
 
 SHAPES = ((128, 1), (128, 32), (512, 1), (512, 32))  # (tokens per row, rows per call)
 QUICK_SHAPES = ((128, 1), (128, 4), (512, 1), (512, 4))
 ROSE_MODES = (
     ("ROSE fp32", {}),
+    ("ROSE fp32, SDPA attention", {"attention": "sdpa"}),  # before the CPU attention kernel
     ("ROSE bf16", {"dtype": "bfloat16"}),
     ("ROSE int8", {"quantize": "int8"}),
 )
 PEERS = ("sentence-transformers fp32", "ONNX Runtime fp32", "ONNX Runtime int8")
 # Per-row cosine to fp32 (sentence-transformers) each ROSE mode must reach, else exit 1.
-MODE_COSINE = {"ROSE fp32": MIN_COSINE, "ROSE bf16": 0.999, "ROSE int8": 0.99}
+MODE_COSINE = {
+    "ROSE fp32": MIN_COSINE,
+    "ROSE fp32, SDPA attention": MIN_COSINE,
+    "ROSE bf16": 0.999,
+    "ROSE int8": 0.99,
+}
 MIN_OVERLAP = 0.95  # retrieval top-10 overlap goal
 GOALS = (  # (numerator, denominator, factor) at 32 x 512
     ("ROSE int8", "ROSE fp32", 2.0),
@@ -166,6 +206,7 @@ KEPT = (
     "## int8 activation scales",
     "## CPU passes in groups of rows",
     "## Intel Xeon without AMX",
+    "## Zen 5 against Zen 4",
 )
 
 
@@ -419,7 +460,10 @@ def _precision_lines(p: Precision) -> tuple[list[str], bool]:
         "Token ids given to every system (no tokenization in the timings); rows of exactly "
         "that many tokens cut from a stream of real corpus lines, so no padding anywhere; "
         f"{p.rounds} interleaved rounds, median; tokens/s.",
-        "ROSE bf16: weights, activations and attention in bf16 (oneDNN packed linears). "
+        "ROSE modes attend through the CPU default, ONNX Runtime's attention kernel in fp32 "
+        "(bf16 operands widened; `rose.attention.onnxrt`), except 'ROSE fp32, SDPA attention' "
+        "(PyTorch's CPU flash kernel, the engine's attention before it). "
+        "ROSE bf16: weights and activations in bf16 (oneDNN packed linears). "
         "ROSE int8: `rose.int8` (QKV, attention output and MLP up projection int8 per output "
         "channel with dynamic activations, one scale per sequence, SmoothQuant-smoothed with a "
         "calibration at load; MLP down projection in bf16 where this CPU's packed bf16 "
@@ -648,6 +692,7 @@ def main(argv: list[str]) -> int:
     host_s = [_timed(host_side) for _ in range(1000)]
 
     sweep = _sdpa_sweep()
+    kernels = _kernel_sweep()
     precision = _precision(path, tokenizer, args.threads, args.quick, args.precision_rounds)
     precision_lines, precise = _precision_lines(precision)
 
@@ -696,6 +741,16 @@ def main(argv: list[str]) -> int:
             f"| {r} x {n} | {a * 1e3:.3f} ms | {b * 1e3:.3f} ms | {f} | {c} |"
             for r, n, a, b, f, c in sweep
         ),
+        "",
+        "## Attention kernels (attention op only, one row, 12 heads x 32, fp32)",
+        "",
+        "PyTorch's CPU flash kernel (SDPA) against ONNX Runtime's `MultiHeadAttention` "
+        "(`rose.attention.onnxrt`, the CPU default for bidirectional encoders), operands as "
+        "the encoders pass them (views of one fused q/k/v projection), median of 15 calls.",
+        "",
+        "| tokens | SDPA (flash) | ONNX Runtime | SDPA ÷ ONNX Runtime |",
+        "|---:|---:|---:|---:|",
+        *(f"| {n} | {a * 1e3:.3f} ms | {b * 1e3:.3f} ms | {a / b:.2f}x |" for n, a, b in kernels),
         "",
         "## Versions and machine",
         "",

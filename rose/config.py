@@ -16,7 +16,7 @@ __all__ = [
 ]
 
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("sdpa", "flashinfer")
+ATTENTION_BACKENDS = ("sdpa", "flashinfer", "onnxruntime")
 SDPA_STRATEGIES = ("auto", "per-sequence", "block-diagonal")
 ATTENTION_MODES = ("auto", "causal", "bidirectional")
 QUANTIZATIONS = ("int8",)
@@ -31,8 +31,9 @@ class EngineConfig:
     cuda_graphs: capture and replay CUDA graphs (ignored on CPU).
     max_graphs: how many captured graphs are kept (least recently used are evicted).
     max_graph_tokens: batches with more tokens than this always run eagerly.
-    attention: None picks FlashInfer on CUDA when importable, else SDPA; or one of
-        `ATTENTION_BACKENDS` to insist (FlashInfer still falls back, with a log line, when absent).
+    attention: None picks FlashInfer on CUDA when importable, ONNX Runtime's attention kernel
+        for bidirectional passes on CPU, else SDPA; or one of `ATTENTION_BACKENDS` to insist
+        (FlashInfer and ONNX Runtime still fall back, with a log line, when absent).
     sdpa_strategy: how SDPA avoids padding on ragged batches: one call per sequence, one call
         with a block-diagonal mask, or "auto" (a cost model picks per batch).
     packed_weights: on CPU, run linear layers on weights packed once for oneDNN, with the

@@ -21,6 +21,7 @@ from rose.attention.flashinfer import (
     head_dim_unsupported,
     import_flashinfer,
 )
+from rose.attention.onnxrt import OnnxRuntimeBackend, import_onnxruntime, kernel_speedup
 from rose.attention.sdpa import SdpaBackend, choose_sdpa_strategy
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "AttentionChoice",
     "AttentionInputs",
     "FlashInferBackend",
+    "OnnxRuntimeBackend",
     "SdpaBackend",
     "choose_sdpa_strategy",
     "flashinfer_coverage",
@@ -57,6 +59,10 @@ def select_backend(
 ) -> AttentionChoice:
     """Pick the attention backend for one engine and log the choice (once per engine).
 
+    On the CPU, bidirectional passes go to ONNX Runtime's attention kernel
+    (`OnnxRuntimeBackend`, about twice PyTorch's CPU flash kernel on AMD Zen 5) when
+    `requested` is "onnxruntime", or None and it runs faster than SDPA on this CPU
+    (`kernel_speedup`), provided it imports and passes the probe; causal ones go to SDPA.
     FlashInfer is tried on CUDA in fp16/bf16 for the head dims its kernels take
     (`FLASHINFER_HEAD_DIMS`, checked before anything is imported or compiled) when
     `requested` is None or "flashinfer"; it must import and pass a small probe against SDPA,
@@ -84,8 +90,12 @@ def _select(
     sdpa = SdpaBackend(sdpa_strategy, device.type, causal=causal)
     if requested == "sdpa":
         return AttentionChoice(sdpa, "requested")
+    if device.type == "cpu" and requested in (None, "onnxruntime"):
+        return _cpu(sdpa, dtype, num_heads, head_dim, num_kv_heads, causal, requested is None)
     if device.type != "cuda":
         return AttentionChoice(sdpa, "FlashInfer needs CUDA" if requested else "CPU")
+    if requested == "onnxruntime":
+        return AttentionChoice(sdpa, "ONNX Runtime's attention serves the CPU")
     if dtype not in (torch.float16, torch.bfloat16):
         return AttentionChoice(sdpa, f"FlashInfer needs fp16/bf16, model runs in {dtype}")
     if why := head_dim_unsupported(head_dim):
@@ -103,6 +113,38 @@ def _select(
     return AttentionChoice(backend, "FlashInfer ragged prefill")
 
 
+def _cpu(
+    sdpa: SdpaBackend,
+    dtype: torch.dtype,
+    num_heads: int,
+    head_dim: int,
+    num_kv_heads: int,
+    causal: bool,
+    by_speed: bool,
+) -> AttentionChoice:
+    """ONNX Runtime's kernel for a bidirectional CPU engine when it imports, agrees with SDPA
+    and, unless asked for by name (not `by_speed`), runs faster than SDPA on this CPU."""
+    if causal:
+        return AttentionChoice(sdpa, "CPU, causal: PyTorch's causal kernel skips masked blocks")
+    module, why = import_onnxruntime()
+    if module is None:
+        return AttentionChoice(sdpa, f"CPU, ONNX Runtime unavailable ({why})")
+    try:
+        backend = OnnxRuntimeBackend(module, num_heads, head_dim, torch.get_num_threads(), sdpa)
+        # rows long enough that the plan is per-sequence: the probe runs the kernel itself
+        _probe(backend, torch.device("cpu"), dtype, num_heads, head_dim, num_kv_heads, (40, 60))
+    except Exception as exc:
+        return AttentionChoice(
+            sdpa, f"CPU, ONNX Runtime failed its probe ({type(exc).__name__}: {exc})"
+        )
+    if not by_speed:
+        return AttentionChoice(backend, "requested")
+    speedup = kernel_speedup(backend, num_heads, head_dim)
+    if speedup < 1.0:
+        return AttentionChoice(sdpa, f"CPU, ONNX Runtime's kernel {speedup:.2f}x SDPA's here")
+    return AttentionChoice(backend, f"CPU, ONNX Runtime MultiHeadAttention, {speedup:.2f}x SDPA")
+
+
 def _probe(
     backend: AttentionBackend,
     device: torch.device,
@@ -110,18 +152,19 @@ def _probe(
     heads: int,
     head_dim: int,
     kv_heads: int | None = None,
+    lengths: tuple[int, int] = (5, 7),
 ) -> None:
     """Run two ragged rows through `backend` and through SDPA; raise if they disagree."""
-    cu = np.array([0, 5, 12], dtype=np.int32)
+    cu = np.array([0, lengths[0], sum(lengths)], dtype=np.int32)
     gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (
-        torch.randn(12, n, head_dim, generator=gen).to(device=device, dtype=dtype)
-        for n in (heads, kv_heads or heads, kv_heads or heads)
-    )
-    seg = torch.tensor([0] * 5 + [1] * 7, device=device)
+    kv = kv_heads or heads
+    # q, k, v as the models make them: strided views of one fused projection
+    qkv = torch.randn(int(cu[-1]), heads + 2 * kv, head_dim, generator=gen)
+    q, k, v = qkv.to(device=device, dtype=dtype).split([heads, kv, kv], dim=1)
+    seg = torch.tensor([0] * lengths[0] + [1] * lengths[1], device=device)
     inputs = AttentionInputs(torch.from_numpy(cu).to(device), seg)
     got = backend.attend(q, k, v, backend.prepare(backend.plan(cu), inputs)).float()
-    for start, end in ((0, 5), (5, 12)):
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
         want = F.scaled_dot_product_attention(
             *(t[start:end].transpose(0, 1).float() for t in (q, k, v)),
             is_causal=backend.causal,

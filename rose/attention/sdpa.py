@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from rose.attention.base import AttentionBackend, AttentionInputs
 
-__all__ = ["SdpaBackend", "block_diagonal_max_tokens", "choose_sdpa_strategy"]
+__all__ = ["SdpaBackend", "SdpaPlan", "block_diagonal_max_tokens", "choose_sdpa_strategy"]
 
 # Cost model for "auto" (CPU, fp32): one extra SDPA call costs about as much as this many
 # wasted query-key pairs in a masked call. Measured with bench/engine.py's sweep (12 heads x 32):
@@ -91,7 +91,7 @@ def fused_kernel_takes_gqa(device_type: str) -> bool:
 
 
 @dataclass(frozen=True)
-class _Plan:
+class SdpaPlan:
     strategy: str
     bounds: tuple[tuple[int, int], ...]  # (start, end) per row, per-sequence only
 
@@ -112,7 +112,7 @@ class SdpaBackend(AttentionBackend):
         # Inside a graph (plan with a slot) the block-diagonal form is always used.
         self.graph_safe = True
 
-    def plan(self, host_cu_seqlens: np.ndarray, slot: Hashable | None = None) -> _Plan:
+    def plan(self, host_cu_seqlens: np.ndarray, slot: Hashable | None = None) -> SdpaPlan:
         strategy = self.strategy
         if slot is not None:
             strategy = "block-diagonal"
@@ -124,9 +124,9 @@ class SdpaBackend(AttentionBackend):
         if strategy == "per-sequence":
             cu = host_cu_seqlens.tolist()
             bounds = tuple(zip(cu[:-1], cu[1:], strict=True))
-        return _Plan(strategy, bounds)
+        return SdpaPlan(strategy, bounds)
 
-    def prepare(self, plan: _Plan, inputs: AttentionInputs) -> Any:
+    def prepare(self, plan: SdpaPlan, inputs: AttentionInputs) -> Any:
         if plan.strategy == "per-sequence":
             return plan
         seg = inputs.seg_ids
@@ -137,7 +137,7 @@ class SdpaBackend(AttentionBackend):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any) -> torch.Tensor:
         gqa = k.shape[1] != q.shape[1]
-        if isinstance(state, _Plan):
+        if isinstance(state, SdpaPlan):
             if gqa and not fused_kernel_takes_gqa(q.device.type):
                 group = q.shape[1] // k.shape[1]
                 k = k.repeat_interleave(group, dim=1)  # [T, heads, head_dim]

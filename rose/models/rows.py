@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from rose.attention.base import AttentionBackend
-from rose.attention.sdpa import SdpaBackend, block_diagonal_max_tokens, choose_sdpa_strategy
+from rose.attention.sdpa import block_diagonal_max_tokens, choose_sdpa_strategy
 from rose.errors import EngineError
 from rose.models.family import FamilyOptions
 
@@ -98,9 +98,10 @@ class RowLayout:
     @classmethod
     def build(cls, positions: torch.Tensor, backend: AttentionBackend | None = None) -> RowLayout:
         """positions: [T] int64, 0..L-1 within each row. The strategy follows the engine's SDPA
-        backend when it is one ("per-sequence", "block-diagonal", "auto"); "auto" picks as
+        backend's when it has one (`SdpaBackend`, and `OnnxRuntimeBackend` after its SDPA
+        fallback: "per-sequence", "block-diagonal", "auto"); "auto" picks as
         `rose.attention.sdpa` does, and always block-diagonal while a CUDA graph is captured."""
-        strategy = backend.strategy if isinstance(backend, SdpaBackend) else "auto"
+        strategy = getattr(backend, "strategy", "auto")
         tokens = positions.shape[0]
         bounds: np.ndarray | None = None
         if positions.is_cuda and torch.cuda.is_current_stream_capturing():
