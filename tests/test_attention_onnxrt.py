@@ -99,11 +99,11 @@ def test_the_cpu_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     import rose.attention as attention
 
     args = (CPU, torch.float32, HEADS, HEAD_DIM)
-    for speedup, name in ((1.9, "onnxruntime"), (0.8, "sdpa")):  # as measured on this CPU
+    for speedup in (1.9, 0.8):  # as measured on this CPU: reported, never flips the choice
         monkeypatch.setattr(attention, "kernel_speedup", lambda *_, x=speedup: x)
         default = select_backend(None, "auto", *args)
-        assert default.backend.name == name
-        assert f"{speedup:.2f}x SDPA" in default.reason
+        assert default.backend.name == "onnxruntime"
+        assert default.reason == f"CPU, ONNX Runtime MultiHeadAttention, {speedup:.2f}x SDPA"
     monkeypatch.undo()
     measured = attention.kernel_speedup(_backend(), HEADS, HEAD_DIM)
     assert 0.0 < measured < float("inf")

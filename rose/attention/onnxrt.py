@@ -159,9 +159,9 @@ class OnnxRuntimeBackend(AttentionBackend):
 def kernel_speedup(backend: OnnxRuntimeBackend, num_heads: int, head_dim: int) -> float:
     """How many times faster `backend` attends one row of `_PROBE_TOKENS` tokens than its SDPA
     fallback on this CPU, at the current thread count: the fastest of `_PROBE_REPEATS`
-    interleaved calls of each (~10 ms in all for e5-small's heads). The kernels were measured
-    on AMD CPUs only (module docstring), so the CPU default takes this kernel only where it
-    wins here; a loaded machine slows both alike."""
+    interleaved calls of each (~10 ms in all for e5-small's heads), reported in the
+    backend's log line: the kernels were measured on AMD CPUs only (module docstring), so a
+    CPU where this one loses shows it there."""
     cu = np.array([0, _PROBE_TOKENS], dtype=np.int64)
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(_PROBE_TOKENS, 3, num_heads, head_dim, generator=gen).unbind(1)
