@@ -221,10 +221,10 @@ class Engine:
         )
         attention = config.attention
         if attention is None and config.quantize == "int8":
-            # int8 quantizes activations per sequence, which turns the ONNX Runtime kernel's
-            # last-bit differences (they depend on where a row lies in the batch) into
-            # visible ones: a row's vector moved with its batch (cosine 0.99985 between
-            # groupings) and top-10 overlap fell 0.954 -> 0.941; SDPA is batch-invariant.
+            # int8's quantization turns the ONNX Runtime kernel's ~1e-7 differences from
+            # SDPA into visible ones (cosine 0.99985 between the two int8 engines), and on
+            # bench/engine.py's retrieval check that moved int8's top-10 overlap with fp32
+            # from 0.954 (SDPA) to 0.941, under the 0.95 bound: int8 keeps SDPA.
             attention = "sdpa"
         choice = select_backend(
             attention,

@@ -121,11 +121,11 @@ def _cpu(
     head_dim: int,
     num_kv_heads: int,
     causal: bool,
-    by_speed: bool,
+    timed: bool,
 ) -> AttentionChoice:
     """ONNX Runtime's kernel for a bidirectional CPU engine when it imports and agrees with
-    SDPA; unless asked for by name (`by_speed`), its speed against SDPA is measured for the
-    log."""
+    SDPA; when it was not asked for by name (`timed`), its speed against SDPA is measured
+    for the log line."""
     if causal:
         return AttentionChoice(sdpa, "CPU, causal: PyTorch's causal kernel skips masked blocks")
     module, why = import_onnxruntime()
@@ -139,7 +139,7 @@ def _cpu(
         return AttentionChoice(
             sdpa, f"CPU, ONNX Runtime failed its probe ({type(exc).__name__}: {exc})"
         )
-    if not by_speed:
+    if not timed:
         return AttentionChoice(backend, "requested")
     # The choice does not depend on the timing (a model's backend must not flip between
     # loads); the log line reports it, so a CPU where the kernel loses shows it.

@@ -130,12 +130,11 @@ class OnnxRuntimeBackend(AttentionBackend):
             k = k.repeat_interleave(group, dim=1)  # [T, heads, D]
             v = v.repeat_interleave(group, dim=1)
         short = tuple((s, e) for s, e in state.bounds if e - s < MIN_KERNEL_TOKENS)
+        long = (b for b in state.bounds if b[1] - b[0] >= MIN_KERNEL_TOKENS)
         q32, k32, v32 = (_contiguous_fp32(t) for t in (q, k, v))  # [T, heads, D]
         out = torch.empty(q.shape, dtype=torch.float32)  # [T, heads, D]
         width, row_bytes = self._width, self._width * 4
-        for start, end in state.bounds:
-            if end - start < MIN_KERNEL_TOKENS:
-                continue
+        for start, end in long:
             shape = [1, end - start, width]
             binding = self._session.io_binding()
             for name, t in (("q", q32), ("k", k32), ("v", v32)):
