@@ -262,3 +262,22 @@ def test_dynamic_trees_are_lossless_and_keep_alternatives(
     one = GenerationEngine(target, GenerationConfig(max_batch=8, spec=spec), mtp_head=head)
     assert [r.output_ids for r in one.generate(prompts, GREEDY)] == base
     assert one.stats.drafted == one.stats.steps > 0 and one.stats.alternatives == 0
+
+
+def test_default_tulip_tree_mixes_with_sampled_requests(
+    target: LlamaForCausalLM, head: MTPHead
+) -> None:
+    """Tulip's ``--spec mtp`` default (a dynamic tree of 3 nodes, 3 deep) in batches where
+    greedy requests draft trees and sampled ones chains, side by side: greedy output stays
+    exactly plain greedy, and every page comes back."""
+    prompts = random_prompts(23, 24)
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=5)
+    params = [GREEDY if i % 2 == 0 else sampled for i in range(len(prompts))]
+    base = [r.output_ids for r in GenerationEngine(target).generate(prompts[::2], GREEDY)]
+    spec = SpecConfig(method="mtp", num_draft_tokens=3, tree_nodes=3)
+    eng = GenerationEngine(target, GenerationConfig(max_batch=8, spec=spec), mtp_head=head)
+    out = [r.output_ids for r in eng.generate(prompts, params)]
+    assert out[::2] == base
+    assert all(len(o) == 16 and all(0 <= t < VOCAB for t in o) for o in out[1::2])
+    assert eng.stats.alternatives > 0 and eng.stats.accepted > 0, eng.stats.as_dict()
+    assert eng.allocator.num_free == eng.config.kv.num_pages

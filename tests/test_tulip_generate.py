@@ -236,10 +236,35 @@ def test_spec_draft_defaults_by_method() -> None:
     assert resolved(["--spec", "ngram", "--spec-draft-tokens", "8"]) == (8, True)
     assert resolved(["--spec", "draft", "--draft-layers", "2"]) == (4, False)
     assert resolved(["--spec", "draft", "--draft-layers", "2", "--spec-adaptive"]) == (4, True)
-    assert resolved(["--spec", "mtp", "--mtp-head", "h"]) == (4, False)
+    assert resolved(["--spec", "mtp", "--mtp-head", "h"]) == (3, False)
     assert resolved([]) == (4, False)
     spec = spec_config(TulipConfig.from_args(["--model", "m", "--spec", "ngram"], {}))
     assert (spec.method, spec.num_draft_tokens, spec.adaptive_k) == ("ngram", 16, True)
+
+
+def test_spec_mtp_drafts_a_dynamic_tree_by_default() -> None:
+    """``--spec mtp`` alone drafts a dynamic tree of 3 nodes up to 3 deep; --spec-tree-nodes 0
+    asks for chains, and --spec-tree / --spec-chain-min-prob shape the drafts instead, so
+    the default tree steps aside for them (its depth with it)."""
+
+    def spec(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, int, tuple]:
+        config = TulipConfig.from_args(["--model", "m", "--mtp-head", "h", *argv], env or {})
+        s = spec_config(config)
+        return s.num_draft_tokens, s.tree_nodes, s.tree_widths
+
+    assert spec(["--spec", "mtp"]) == (3, 3, ())
+    assert spec(["--spec", "mtp", "--spec-draft-tokens", "5"]) == (5, 3, ())
+    assert spec(["--spec", "mtp", "--spec-tree-nodes", "0"]) == (4, 0, ())
+    assert spec(["--spec", "mtp"], {"TULIP_SPEC_TREE_NODES": "0"}) == (4, 0, ())
+    assert spec(["--spec", "mtp", "--spec-tree-nodes", "5"]) == (4, 5, ())
+    assert spec(["--spec", "mtp", "--spec-tree", "3,2"]) == (4, 0, (3, 2))
+    config = TulipConfig.from_args(
+        ["--model", "m", "--mtp-head", "h", "--spec", "mtp", "--spec-chain-min-prob", "0.15"]
+    )
+    s = spec_config(config)
+    assert (s.num_draft_tokens, s.tree_nodes, s.chain_min_prob) == (4, 0, 0.15)
+    plain = TulipConfig.from_args(["--model", "m", "--spec", "ngram"], {})
+    assert plain.tree_nodes == 0
 
 
 @pytest.mark.parametrize(

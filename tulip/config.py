@@ -22,6 +22,13 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ATTENTION_MODES = ("auto", "causal", "bidirectional")
 _QUANTIZE = ("none", "int8")
 _SPEC_METHODS = ("none", "ngram", "draft", "mtp")
+# `--spec mtp`'s drafts when no flag shapes them: a dynamic tree of 3 nodes up to 3 deep, so
+# a verification pass feeds 4 tokens, as a chain of 3 does, and the head puts its third node
+# where it is likelier kept. The fastest MTP row of bench/results/spec.md on both prompt sets
+# (SmolLM2-135M, one CPU thread: 1.74x median on chat, the best chain 1.66x; 1.43x on
+# rag-quote, the best chain 1.23x).
+_MTP_TREE_NODES = 3
+_MTP_TREE_DEPTH = 3
 _RUNNERS = ("auto", "generate", "pooling")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -103,9 +110,10 @@ class TulipConfig:
     spec_tree: str = ""
     """``--spec mtp``: widths of a draft tree per depth, e.g. ``3,2`` (greedy requests verify
     the head's 3 best tokens at depth 1 and 2 at depth 2; `rose.spec.tree`); empty: chain."""
-    spec_tree_nodes: int = 0
+    spec_tree_nodes: int | None = None
     """``--spec mtp``: a dynamic draft tree of this many nodes picked by the head's own
-    probabilities, up to ``--spec-draft-tokens`` deep (instead of ``--spec-tree``); 0: off."""
+    probabilities, up to ``--spec-draft-tokens`` deep (instead of ``--spec-tree``); 0: chains;
+    None: by method (`tree_nodes`)."""
     spec_chain_min_prob: float = 0.0
     """``--spec mtp``, chains: stop a sequence's chain once the head's probability for all of
     it falls below this, ``--spec-draft-tokens`` being the longest (`SpecConfig.chain_min_prob`);
@@ -202,7 +210,7 @@ class TulipConfig:
             raise ConfigError("--mtp-head is only used with --spec mtp")
         if self.spec_tree and self.spec != "mtp":
             raise ConfigError("--spec-tree is only used with --spec mtp")
-        if self.spec_tree_nodes < 0:
+        if self.spec_tree_nodes is not None and self.spec_tree_nodes < 0:
             raise ConfigError(f"--spec-tree-nodes must be at least 0, got {self.spec_tree_nodes}")
         if self.spec_tree_nodes and self.spec != "mtp":
             raise ConfigError("--spec-tree-nodes is only used with --spec mtp")
@@ -228,10 +236,26 @@ class TulipConfig:
     @property
     def draft_tokens(self) -> int:
         """``--spec-draft-tokens``, or by method when 0: 16 for ``ngram`` with adaptive drafts
-        (a step drafts that many only after its shorter drafts were all kept), else 4."""
+        (a step drafts that many only after its shorter drafts were all kept), the default
+        tree's depth for ``mtp`` drafting it (`tree_nodes`), else 4."""
         if self.spec_draft_tokens:
             return self.spec_draft_tokens
-        return 16 if self.spec == "ngram" and self.adaptive_drafts else 4
+        if self.spec == "ngram" and self.adaptive_drafts:
+            return 16
+        if self.spec == "mtp" and self.spec_tree_nodes is None and self.tree_nodes:
+            return _MTP_TREE_DEPTH
+        return 4
+
+    @property
+    def tree_nodes(self) -> int:
+        """``--spec-tree-nodes``, or by method when not given: for ``--spec mtp`` without
+        ``--spec-tree`` or ``--spec-chain-min-prob`` (which shape the drafts otherwise), a
+        dynamic tree of `_MTP_TREE_NODES` nodes up to `_MTP_TREE_DEPTH` deep; else 0."""
+        if self.spec_tree_nodes is not None:
+            return self.spec_tree_nodes
+        if self.spec == "mtp" and not self.spec_tree and not self.spec_chain_min_prob:
+            return _MTP_TREE_NODES
+        return 0
 
     @property
     def adaptive_drafts(self) -> bool:
@@ -351,7 +375,10 @@ def _parser() -> argparse.ArgumentParser:
         "--spec-tree", help="--spec mtp: draft-tree widths per depth, e.g. 3,2 (default: chain)"
     )
     gen.add_argument(
-        "--spec-tree-nodes", type=int, help="--spec mtp: dynamic draft tree of N nodes (default 0)"
+        "--spec-tree-nodes",
+        type=int,
+        help="--spec mtp: dynamic draft tree of N nodes, 0: chains (default 3, unless "
+        "--spec-tree or --spec-chain-min-prob)",
     )
     gen.add_argument(
         "--spec-chain-min-prob",

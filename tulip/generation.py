@@ -108,7 +108,7 @@ def spec_config(config: TulipConfig) -> SpecConfig:
         num_draft_tokens=config.draft_tokens,
         adaptive_k=config.adaptive_drafts,
         tree_widths=config.spec_tree_widths,
-        tree_nodes=config.spec_tree_nodes,
+        tree_nodes=config.tree_nodes,
         chain_min_prob=config.spec_chain_min_prob,
     )
 
