@@ -242,20 +242,26 @@ class TulipConfig:
             return self.spec_draft_tokens
         if self.spec == "ngram" and self.adaptive_drafts:
             return 16
-        if self.spec == "mtp" and self.spec_tree_nodes is None and self.tree_nodes:
-            return _MTP_TREE_DEPTH
-        return 4
+        return _MTP_TREE_DEPTH if self._default_tree else 4
 
     @property
     def tree_nodes(self) -> int:
-        """``--spec-tree-nodes``, or by method when not given: for ``--spec mtp`` without
-        ``--spec-tree`` or ``--spec-chain-min-prob`` (which shape the drafts otherwise), a
-        dynamic tree of `_MTP_TREE_NODES` nodes up to `_MTP_TREE_DEPTH` deep; else 0."""
+        """``--spec-tree-nodes``, or by method when not given: `_MTP_TREE_NODES` for the
+        default tree of ``--spec mtp`` (`_default_tree`), else 0."""
         if self.spec_tree_nodes is not None:
             return self.spec_tree_nodes
-        if self.spec == "mtp" and not self.spec_tree and not self.spec_chain_min_prob:
-            return _MTP_TREE_NODES
-        return 0
+        return _MTP_TREE_NODES if self._default_tree else 0
+
+    @property
+    def _default_tree(self) -> bool:
+        """``--spec mtp`` with no flag that shapes its drafts (``--spec-tree-nodes``,
+        ``--spec-tree``, ``--spec-chain-min-prob``): it drafts the default dynamic tree."""
+        return (
+            self.spec == "mtp"
+            and self.spec_tree_nodes is None
+            and not self.spec_tree
+            and not self.spec_chain_min_prob
+        )
 
     @property
     def adaptive_drafts(self) -> bool:
