@@ -439,14 +439,14 @@ def _precision(path: Path, tokenizer, threads: int, quick: bool, rounds: int) ->
     return Precision(shapes, tps, cosines, overlap, passages_n, queries_n, rounds, versions)
 
 
-def _down_projection() -> str:
-    """The int8 mode's down-projection format on this CPU and why (`rose.packed.bf16_speedup`)."""
+def _float_layers() -> str:
+    """The int8 mode's float-layer format on this CPU and why (`rose.packed.bf16_speedup`)."""
     import torch
 
-    from rose.int8 import contracting_dtype
+    from rose.int8 import float_layer_dtype
     from rose.packed import bf16_speedup
 
-    name = "bf16" if contracting_dtype() == torch.bfloat16 else "fp32"
+    name = "bf16" if float_layer_dtype() == torch.bfloat16 else "fp32"
     return f"{name}, bf16 products at {bf16_speedup():.2f}x fp32's rate"
 
 
@@ -464,10 +464,10 @@ def _precision_lines(p: Precision) -> tuple[list[str], bool]:
         "(bf16 operands widened; `rose.attention.onnxrt`), except 'ROSE fp32, SDPA attention' "
         "(PyTorch's CPU flash kernel, the engine's attention before it). "
         "ROSE bf16: weights and activations in bf16 (oneDNN packed linears). "
-        "ROSE int8: `rose.int8` (QKV, attention output and MLP up projection int8 per output "
+        "ROSE int8: `rose.int8` (QKV and attention output projections int8 per output "
         "channel with dynamic activations, one scale per sequence, SmoothQuant-smoothed with a "
-        "calibration at load; MLP down projection in bf16 where this CPU's packed bf16 "
-        f"products are faster than fp32 ones, else fp32: here {_down_projection()}). "
+        "calibration at load; the MLP's two projections in bf16 where this CPU's packed bf16 "
+        f"products are faster than fp32 ones, else fp32: here {_float_layers()}). "
         "sentence-transformers: its modules' forward on the ids (fp32). ONNX Runtime: the "
         "model exported with `torch.onnx` (mean pooling + normalization in the graph), "
         "default session optimizations; int8 = `onnxruntime.quantization.quantize_dynamic` "

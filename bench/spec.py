@@ -27,7 +27,7 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -144,31 +144,29 @@ RAG_QUOTE = [
 ]
 
 
-def _tulip_ngram() -> tuple[str, dict[str, Any]]:
-    """The row for what Tulip's ``--spec ngram`` runs by default, read from `TulipConfig`
-    (so the bench follows Tulip's defaults): its label and settings."""
-    from tulip.config import TulipConfig
-
-    tulip = TulipConfig(model="smollm2-135m-instruct", spec="ngram")
-    k, adaptive = tulip.draft_tokens, tulip.adaptive_drafts
-    label = f"ngram k={k}" + (" adaptive" if adaptive else "")
-    return label, {"method": "ngram", "num_draft_tokens": k, "adaptive_k": adaptive}
-
-
-def _tulip_mtp() -> tuple[str, dict[str, Any]]:
-    """The row for what Tulip's ``--spec mtp`` runs by default (its `spec_config`)."""
+def _tulip_default(method: str) -> tuple[str, dict[str, Any]]:
+    """The row for what Tulip's ``--spec METHOD`` runs by default, read from its `spec_config`
+    (so the bench follows Tulip's defaults): a label and the settings that differ from
+    `SpecConfig`'s own defaults."""
     from tulip.config import TulipConfig
     from tulip.generation import spec_config
 
-    spec = spec_config(TulipConfig(model="smollm2-135m-instruct", spec="mtp"))
-    k, nodes = spec.num_draft_tokens, spec.tree_nodes
-    label = f"mtp tree k={k} dynamic {nodes}" if nodes else f"mtp k={k}"
-    return label, {"method": "mtp", "num_draft_tokens": k, "tree_nodes": nodes}
+    spec = spec_config(TulipConfig(model="smollm2-135m-instruct", spec=method))
+    settings = {
+        f.name: getattr(spec, f.name)
+        for f in fields(spec)
+        if f.name == "method" or getattr(spec, f.name) != f.default
+    }
+    label = method + (" tree" if spec.tree_nodes else "") + f" k={spec.num_draft_tokens}"
+    label += " adaptive" if spec.adaptive_k else ""
+    label += f" dynamic {spec.tree_nodes}" if spec.tree_nodes else ""
+    label += f" stop {spec.chain_min_prob}" if spec.chain_min_prob else ""
+    return label, settings
 
 
 # n-gram lookup with SpecConfig's suffix lengths (1..4): the fixed-k row, and Tulip's default
-TULIP_NGRAM_LABEL, TULIP_NGRAM = _tulip_ngram()
-TULIP_MTP_LABEL, TULIP_MTP = _tulip_mtp()
+TULIP_NGRAM_LABEL, TULIP_NGRAM = _tulip_default("ngram")
+TULIP_MTP_LABEL, TULIP_MTP = _tulip_default("mtp")
 METHODS: dict[str, dict[str, Any]] = {
     "none": {"method": "none"},
     "ngram k=4": {"method": "ngram", "num_draft_tokens": 4},

@@ -1,10 +1,9 @@
 """Reduced-precision CPU encoders: int8 linear layers, and the accuracy gate every reduced
 mode (``--quantize int8``, ``--dtype bfloat16`` / ``float16`` on CPU) passes at load.
 
-int8 scheme: the encoder's linear layers (not the classification / masked-LM / BGE-M3 heads)
-that keep or widen their width (BERT: the fused QKV, the attention output, the MLP's up
-projection; Qwen3: q, o, gate and up, its grouped-query k / v being narrower) hold int8
-weights with one symmetric scale per output channel (``scale = max|w_row| / 127``).
+int8 scheme: the encoder's attention projections that keep or widen their width (BERT: the
+fused QKV and the attention output; Qwen3: q and o, its grouped-query k / v being narrower)
+hold int8 weights with one symmetric scale per output channel (``scale = max|w_row| / 127``).
 Activations are quantized to uint8 at run time by PyTorch's dynamic quantized linear
 (``torch.ops.quantized.linear_dynamic``: FBGEMM or oneDNN under the ``x86`` engine, VNNI int8
 dot products, quantization and dequantization fused into the product), one scale and zero
@@ -24,17 +23,24 @@ channel j is divided by ``s_j = max|x_j|^a / max|W[:, j]|^(1 - a)`` at run time 
 weight's column j multiplied by it, moving part of the channel's range into the per-channel
 weight scales; ``max|x_j|`` comes from one fp32 pass over the check set at load
 (`calibrate`). ``a = SMOOTH_ALPHA = 0.65`` was chosen on the check set (`CHECK_TEXTS`, not the
-benchmark's texts) for multilingual-e5-small: mean per-row cosine to fp32 0.999806 / 0.999838
+benchmark's texts) for multilingual-e5-small, with the MLP up projection still int8: mean per-row cosine to fp32 0.999806 / 0.999838
 / 0.999845 / 0.999835 / 0.999841 / 0.999823 at a = 0.5 / 0.6 / 0.65 / 0.7 / 0.75 / 0.8.
 
-Contracting layers (``in_features > out_features``: the MLP's down projection, whose inputs
-are the activation's outputs with a few outlier channels) stay float: in int8 they took e5's
-worst row on a long passage to cosine 0.989. They run in bf16 on oneDNN-packed weights where
-this CPU's packed bf16 products are faster than its fp32 ones (`rose.packed.bf16_speedup`,
-measured once at the first load), else packed fp32: on AMD Zen 4 bf16 made the int8 mode
-1.2x faster, on an Intel Xeon without AMX it made it 0.97x fp32 where fp32 gives 1.20x
-(multilingual-e5-small, 8 x 512 tokens, one thread). Everything between the products
-(attention, norms, residuals) stays float32.
+The MLPs stay float (their modules declare ``float_under_int8``), as do narrowing attention
+projections. Both MLP projections cost retrieval accuracy out of proportion to their share
+of the products: measured with bench/engine.py's retrieval check (multilingual-e5-small,
+query → passage top-10 overlap with fp32 over 1,000 real passages, seeds 25 / 26 / 27), the
+down projection in int8 (inputs: the activation's outputs, a few outlier channels) took the
+worst row on a long passage to cosine 0.989; with it float and the up projection int8 the
+overlap was 0.954 / 0.950 / 0.955, on the 0.95 bound, and moved to 0.941 / 0.951 / 0.958 with
+nothing but the attention kernel changed; with the up projection float too it is 0.969 /
+0.966 / 0.966 (mean per-row cosine 0.99990 against 0.99983), and no slower (32 x 512 tokens: 5020
+against 4905 tokens/s, bf16 products being as fast here as int8 ones with their activation
+quantization). (SmoothQuant strengths 0.4-0.9 on the up projection alone did not recover it.) The
+float layers run in bf16 on oneDNN-packed weights, the up projection with its activation
+fused, where this CPU's packed bf16 products are faster than its fp32 ones
+(`rose.packed.bf16_speedup`, measured once at the first load), else packed fp32. Everything
+between the products (attention, norms, residuals) stays float32.
 
 Accuracy gate: `check_accuracy` runs the model's check inputs (`CHECK_TEXTS`, real
 multilingual sentences tokenized by the directory's tokenizer.json, alone and joined into
@@ -78,7 +84,7 @@ __all__ = [
     "calibrate",
     "check_accuracy",
     "check_batch",
-    "contracting_dtype",
+    "float_layer_dtype",
     "int8_available",
     "measure_modes",
     "per_sequence",
@@ -257,9 +263,16 @@ def smoothing(input_amax: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return input_amax.clamp(min=1e-5).pow(SMOOTH_ALPHA) / w_amax.pow(1 - SMOOTH_ALPHA)
 
 
-def _int8_layer(linear: nn.Linear) -> bool:
-    """Whether the int8 scheme makes this layer int8 (else bf16: a contracting layer)."""
-    return linear.in_features <= linear.out_features
+def _linears(module: nn.Module) -> Iterator[tuple[nn.Module, str, nn.Linear, bool]]:
+    """Every ``nn.Linear`` under `module` as (parent, attribute, layer, int8?): int8 when it
+    keeps or widens its width and its parent does not declare ``float_under_int8`` (the
+    families' MLPs: module docstring)."""
+    for parent in list(module.modules()):
+        stays_float = getattr(parent, "float_under_int8", False)
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                widening = child.in_features <= child.out_features
+                yield parent, name, child, widening and not stays_float
 
 
 def calibrate(module: nn.Module, run: Callable[[], object]) -> dict[nn.Module, torch.Tensor]:
@@ -272,9 +285,7 @@ def calibrate(module: nn.Module, run: Callable[[], object]) -> dict[nn.Module, t
         found[layer] = amax if layer not in found else torch.maximum(found[layer], amax)
 
     hooks = [
-        m.register_forward_pre_hook(record)
-        for m in module.modules()
-        if isinstance(m, nn.Linear) and _int8_layer(m)
+        layer.register_forward_pre_hook(record) for _, _, layer, int8 in _linears(module) if int8
     ]
     try:
         run()
@@ -289,42 +300,39 @@ def weight_scales(weight: torch.Tensor) -> torch.Tensor:
     return (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
 
 
-def contracting_dtype() -> torch.dtype:
-    """The dtype `quantize_int8` gives contracting layers on this CPU: bf16 where its packed
-    bf16 products are faster than fp32 ones (`rose.packed.bf16_speedup`), else fp32."""
+def float_layer_dtype() -> torch.dtype:
+    """The dtype the int8 scheme gives the layers it keeps float, packed, on this CPU: bf16
+    where its packed bf16 products are faster than fp32 ones (`rose.packed.bf16_speedup`),
+    else fp32."""
     from rose.packed import bf16_speedup
 
     return torch.bfloat16 if bf16_speedup() > 1.0 else torch.float32
 
 
 def quantize_int8(
-    module: nn.Module, input_amax: dict[nn.Module, torch.Tensor] | None = None
+    module: nn.Module,
+    input_amax: dict[nn.Module, torch.Tensor] | None = None,
+    float_dtype: torch.dtype = torch.float32,
 ) -> int:
     """Apply the int8 scheme (module docstring) to every ``nn.Linear`` under `module`, in
-    place: `Int8Linear` for layers with ``in_features <= out_features`` (smoothed by their
-    entry in `input_amax`, from `calibrate`, when there is one), a bf16
-    `rose.packed.PackedLinear` for contracting ones where this CPU runs bf16 products faster
-    than fp32 ones (else left as they are, for fp32 packing). Returns how many became int8
+    place: `Int8Linear` for the layers it makes int8 (smoothed by their entry in
+    `input_amax`, from `calibrate`, when there is one); the others are cast to `float_dtype`
+    (bf16 only for a caller that then packs them: `rose.packed.PackedLinear` takes fp32
+    inputs on bf16 weights, a plain ``nn.Linear`` does not). Returns how many became int8
     (EngineError when this PyTorch has no int8 CPU kernel)."""
-    from rose.packed import PackedLinear, can_pack
-
     if not int8_available():
         raise EngineError(
             "EngineConfig.quantize='int8' needs PyTorch's dynamic quantized linear with an "
             f"x86/fbgemm/onednn engine; this build has {torch.backends.quantized.supported_engines}"
         )
-    bf16 = contracting_dtype() == torch.bfloat16
     swapped = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            if _int8_layer(child):
-                amax = None if input_amax is None else input_amax.get(child)
-                setattr(parent, name, Int8Linear(child, amax))
-                swapped += 1
-            elif bf16 and can_pack(child.weight):
-                setattr(parent, name, PackedLinear(child.to(torch.bfloat16), batch_hint=512))
+    for parent, name, child, int8 in list(_linears(module)):
+        if int8:
+            amax = None if input_amax is None else input_amax.get(child)
+            setattr(parent, name, Int8Linear(child, amax))
+            swapped += 1
+        else:
+            child.to(float_dtype)
     return swapped
 
 

@@ -229,6 +229,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    float_under_int8 = True  # --quantize int8 keeps both projections float (rose/int8.py)
+
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.up = nn.Linear(cfg.hidden_size, cfg.intermediate_size)

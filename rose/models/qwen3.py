@@ -272,6 +272,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
+    float_under_int8 = True  # --quantize int8 keeps the three projections float (rose/int8.py)
+
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
