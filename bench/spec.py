@@ -335,11 +335,17 @@ def _verify_costs(model: LlamaForCausalLM, sizes: tuple[int, ...]) -> dict[int, 
     return out
 
 
-def _ensure_head(head_dir: Path, train: bool) -> Path | None:
+def _ensure_head(head_dir: Path, train: bool, default: bool) -> Path | None:
+    """The MTP head to bench: `head_dir` when it holds one; else, for the default directory,
+    the head Trellis ships (verified, as Tulip's ``--spec mtp`` takes it) unless
+    ``--train-head`` asks for a fresh one; else None (no MTP rows)."""
     if (head_dir / "model.safetensors").is_file():
         return head_dir
     if not train:
-        return None
+        from rose.assets.heads import bundled_head_for
+
+        bundled = bundled_head_for("smollm2-135m-instruct") if default else None
+        return bundled.verified() if bundled is not None else None
     from rose.spec import train_mtp
 
     argv = ["--out", str(head_dir), "--threads", "1"]
@@ -364,7 +370,9 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(threads)
     given = next((a.split("=", 1)[1] for a in argv if a.startswith("--mtp-head=")), None)
     head_path = _ensure_head(
-        Path(given) if given else default_head_dir("smollm2-135m-instruct"), "--train-head" in argv
+        Path(given) if given else default_head_dir("smollm2-135m-instruct"),
+        "--train-head" in argv,
+        default=given is None,
     )
     path = ensure_model("smollm2-135m-instruct")
     model = LlamaForCausalLM.from_pretrained(path)

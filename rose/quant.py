@@ -8,7 +8,7 @@ weights, one thread). Drafts only need to be good guesses (the target verifies t
 own precision): on the 8 held-out chat prompts of ``python -m bench spec`` group-32 int4
 drafts were accepted as often as bf16 ones (0.72 vs 0.71 per step; groups of 64 lost 4%),
 drafting took 1.42 instead of 2.28 s, and the k <= 5 chain's speed-up went from 1.48x to
-1.56x (bench/results/spec.md).
+1.56x (bench/results/spec.md of that day; see its git history).
 
 Layout: each output row's weights are split into groups of `GROUP` inputs, and each group
 is stored as 4-bit codes ``q`` in 0..15 with a bf16 scale and zero point:
