@@ -6,8 +6,8 @@ for the few-token passes of decoding and speculative verification it dominates: 
 AMD EPYC this project is developed on, a 4-row product with SmolLM2's 49152 x 576 LM head
 takes 17 ms through MKL against 6 ms from a weight packed once, and a whole 4-token
 verification pass costs 1.5x a 1-token decode step through MKL but 0.9x packed
-(bench/results/spec.md of that day). oneDNN also picks its AVX-512 kernels on AMD, where MKL's dispatch
-does not: encoder passes over 128-512 tokens run 7-21 % faster.
+(bench/results/spec.md of that day). oneDNN also picks its AVX-512 kernels on AMD, where
+MKL's dispatch does not: encoder passes over 128-512 tokens run 7-21 % faster.
 
 `PackedLinear` replaces an ``nn.Linear`` after loading: it holds the weight in oneDNN's
 blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, the op TorchInductor's CPU
