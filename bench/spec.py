@@ -307,12 +307,14 @@ def _run_set(
 
 def _verify_costs(model: LlamaForCausalLM, sizes: tuple[int, ...]) -> dict[int, float]:
     """Median ms of one target pass over n new tokens (logits for all n) after 200 cached
-    tokens, as a verification of n - 1 drafts costs in the engine: 2-3 tokens are fed with
-    fillers up to 4 and their logit rows padded to 4, as `rose.generate` does on the CPU."""
+    tokens, as a verification of n - 1 drafts costs in the engine: where the model pads
+    few-row passes (``pass_min_rows``), shorter ones are fed with fillers up to it and
+    their logit rows duplicated up to it, as `rose.runner` does."""
     from rose.attention.metadata import AttentionMetadata
     from rose.kv.allocator import PageAllocator
     from rose.kv.block_table import BlockTable
 
+    pad = model.pass_min_rows
     cache = model.new_cache(32, 16)
     table = BlockTable(PageAllocator(32), 16)
     table.reserve(240)
@@ -323,8 +325,9 @@ def _verify_costs(model: LlamaForCausalLM, sizes: tuple[int, ...]) -> dict[int, 
     with torch.no_grad():
         model(ids[:200], AttentionMetadata.build([(table, 0, 200)]), cache, torch.tensor([199]))
         for n in sizes:
-            rows = list(range(n)) + [n - 1] * (4 - n if 1 < n < 4 else 0)
-            fed = 4 if 1 < n < 4 else n
+            padded = 1 < n < pad
+            rows = list(range(n)) + [n - 1] * (pad - n if padded else 0)
+            fed = pad if padded else n
             times = []
             for _ in range(5):
                 t0 = time.perf_counter()
@@ -333,6 +336,30 @@ def _verify_costs(model: LlamaForCausalLM, sizes: tuple[int, ...]) -> dict[int, 
                 times.append(time.perf_counter() - t0)
             out[n] = statistics.median(times) * 1e3
     return out
+
+
+def _few_rows_note(model: LlamaForCausalLM) -> str:
+    """How this machine runs few-row passes, as `rose.packed.tune_few_rows` chose at load."""
+    from rose.packed import PackedLinear
+
+    copies = isinstance(model.output, PackedLinear) and model.output._single_row is not None
+    pad = model.pass_min_rows
+    one = (
+        "One-row passes run MKL on a W.T copy of each weight, faster at one row than "
+        "oneDNN's kernel on weights packed once (rose/packed.py), which passes over "
+        "several rows run"
+        if copies
+        else "Every pass runs oneDNN's kernels on weights packed once (rose/packed.py): at "
+        "one row they beat MKL here, so no W.T copies are kept"
+    )
+    rows = (
+        f"oneDNN streams weights slower at 2 rows than at {pad} here, so the engine feeds a "
+        f"pass of 2-{pad - 1} tokens filler tokens up to {pad} and pads its logit rows to "
+        f"{pad} (included here)"
+        if pad > 1
+        else "2 rows run no slower than 4 here, so no pass is padded"
+    )
+    return f"{one} (as `rose.packed.tune_few_rows` measured at load); {rows}."
 
 
 def _ensure_head(head_dir: Path, train: bool, default: bool) -> Path | None:
@@ -429,7 +456,7 @@ def main(argv: list[str]) -> int:
                 if r.outputs != again[0].outputs:
                     failures.append(f"chat round {i + 2}/{r.method}: output differs")
 
-    _write(runs, failures, max_tokens, threads, head_path, costs, rounds)
+    _write(runs, failures, max_tokens, threads, head_path, costs, _few_rows_note(model), rounds)
     for f in failures:
         print(f"FAIL {f}")
     return 1 if failures else 0
@@ -442,6 +469,7 @@ def _write(
     threads: int,
     head_dir: Path | None,
     costs: dict[int, float],
+    few_rows: str,
     rounds: dict[str, list[float]],
 ) -> None:
     import transformers
@@ -536,11 +564,7 @@ def _write(
         "## Verification cost by tokens per pass",
         "",
         "One target pass over n new tokens after 200 cached ones (the verification of n - 1 "
-        "drafts), median of 5, ms. One-row passes run MKL on a W.T copy of each weight, "
-        "passes over several rows oneDNN's kernels on weights packed once (rose/packed.py), "
-        "so 2-6 tokens cost about one plain step; oneDNN streams weights slower at 2-3 rows "
-        "than at 4, so the engine feeds a pass of 2-3 tokens filler tokens up to 4 and pads "
-        "2-3 logit rows to 4 (included here).",
+        "drafts), median of 5, ms. " + few_rows,
         "",
         "| tokens | " + " | ".join(str(n) for n in costs) + " |",
         "|---|" + "---|" * len(costs),

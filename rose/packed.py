@@ -33,12 +33,24 @@ by this CPU.
 from __future__ import annotations
 
 import functools
+import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-__all__ = ["ACTIVATIONS", "PackedLinear", "bf16_speedup", "can_pack", "pack_linears"]
+__all__ = [
+    "ACTIVATIONS",
+    "PackedLinear",
+    "bf16_speedup",
+    "can_pack",
+    "few_row_costs",
+    "pack_linears",
+    "tune_few_rows",
+]
+
+log = logging.getLogger("rose.packed")
 
 # Post-ops the fused kernel applies (name → oneDNN post-op name and algorithm).
 ACTIVATIONS: dict[str, tuple[str, str]] = {
@@ -78,18 +90,22 @@ class PackedLinear(nn.Module):
     Inputs of another dtype than the weight (fp32 activations on bf16 weights, as the MTP
     drafter runs) are cast to it and the result back.
     single_row: also keep ``W.T`` contiguous ``[in, out]`` for one-row inputs, which MKL's
-        plain GEMM streams faster than oneDNN's packed kernel (SmolLM2's 49152 x 576 LM
-        head: ~4.5 vs ~8.5 ms on one thread; a whole 1-token decode step ~6% faster with
-        every layer so). That is the row each sequence's plain decode step computes; it
-        costs a second copy of the weight. Only for fp32 weights: MKL has no bf16 GEMM, and
-        oneDNN's packed bf16 kernel beats PyTorch's bf16 ``mm`` on one row (136 vs 155 µs for
-        a cold 1536 x 576 weight).
+        plain GEMM streams faster than oneDNN's packed kernel on some CPUs (AMD Zen 4:
+        SmolLM2's 49152 x 576 LM head ~4.5 vs ~8.5 ms on one thread; a whole 1-token decode
+        step ~6% faster with every layer so) and slower on others (Zen 5: the head 4.2 vs
+        3.2 ms, the decode step 29.5 vs 24.2 ms). That is the row each sequence's plain
+        decode step computes; it costs a second copy of the weight, so `pack_linears` keeps
+        it only where it measures faster (`tune_few_rows`). Only for fp32
+        weights: MKL has no bf16 GEMM, and oneDNN's packed bf16 kernel beats PyTorch's bf16
+        ``mm`` on one row (136 vs 155 µs for a cold 1536 x 576 weight).
     min_rows: two-row inputs are zero-padded to this many rows (when it is more than 2)
-        and the padding's rows dropped from the result. oneDNN's fp32 kernel streams a
-        weight that is not in cache slower at 2 rows than at 4: a whole SmolLM2-135M pass
-        over 2 new tokens took 57.5 ms against 45 ms over 4 and 47.1 ms padded to 4 (one
-        thread). For models whose weights stream from memory on every pass; a weight that
-        stays in cache is faster at 2 rows (72 vs 91 µs for a warm 1536 x 576 one).
+        and the padding's rows dropped from the result. On AMD Zen 4 oneDNN's fp32 kernel
+        streams a weight that is not in cache slower at 2 rows than at 4: a whole
+        SmolLM2-135M pass over 2 new tokens took 57.5 ms against 45 ms over 4 and 47.1 ms
+        padded to 4 (one thread); on Zen 5 2 rows are the cheaper (24.4 vs 27.7 ms), so
+        `pack_linears` pads only where it measures so. For models whose weights stream
+        from memory on every pass; a weight that stays in cache is faster at 2 rows (72 vs
+        91 µs for a warm 1536 x 576 one).
     """
 
     def __init__(
@@ -170,7 +186,9 @@ def pack_linears(
     activations: module name (as in ``named_modules``) → activation to fuse into that layer;
     the caller must then skip applying it itself. single_row: the layers (all when True,
     else these names) that also keep a copy for one-row inputs (see `PackedLinear`).
-    min_rows: passed to every `PackedLinear` (two-row inputs padded to it).
+    min_rows: two-row inputs padded to it (see `PackedLinear`). With either, the copies and
+    the padding stay only where they are faster on this CPU (`tune_few_rows`, measured
+    once here over the packed layers).
     """
     activations = activations or {}
     linears = [
@@ -186,6 +204,7 @@ def pack_linears(
         for p in m.parameters(recurse=False)
     }
     packed = 0
+    layers: list[PackedLinear] = []
     for name, module in linears:
         if not can_pack(module.weight):
             continue
@@ -203,8 +222,75 @@ def pack_linears(
                 min_rows=min_rows,
             ),
         )
+        layers.append(getattr(parent, attr))
         packed += 1
+    if single_row or min_rows > 2:
+        tune_few_rows(layers, min_rows)
     return packed
+
+
+_ROW_PROBE_REPEATS = 3
+
+
+def few_row_costs(layers: list[PackedLinear], pad_to: int) -> dict[str, float]:
+    """Seconds of one sweep over `layers` in order (as a decode step streams them) at the
+    few rows decoding and verification pass: ``"mkl 1"`` one row through the kept ``W.T``
+    copies (absent when no layer keeps one), ``"packed n"`` n rows through the packed
+    kernel for n = 1, 2 and `pad_to`. The fastest of `_ROW_PROBE_REPEATS` interleaved
+    sweeps of each; a model whose weights outgrow the cache streams them from memory, as
+    decoding does. ~12 decode steps' products (~0.3 s for SmolLM2-135M on one thread)."""
+    rowed = [layer for layer in layers if layer._single_row is not None]
+    sizes = sorted({1, 2, pad_to})
+    shapes = {(layer.in_features, layer._packed.dtype) for layer in layers}
+    inputs = {(n, f, d): torch.ones(n, f, dtype=d) for n in sizes for f, d in shapes}
+
+    def row(n: int, layer: PackedLinear) -> torch.Tensor:
+        return inputs[n, layer.in_features, layer._packed.dtype]
+
+    sweeps: dict[str, tuple[list[PackedLinear], Callable[[PackedLinear], object]]] = {}
+    if rowed:
+        sweeps["mkl 1"] = (rowed, lambda layer: row(1, layer) @ layer._single_row)
+    for n in sizes:
+        sweeps[f"packed {n}"] = (layers, lambda layer, n=n: layer._packed_product(row(n, layer)))
+    best = dict.fromkeys(sweeps, float("inf"))
+    with torch.inference_mode():
+        for todo, run in sweeps.values():  # first calls: oneDNN builds its kernels
+            run(todo[0])
+        for _ in range(_ROW_PROBE_REPEATS):
+            for key, (todo, run) in sweeps.items():
+                start = time.perf_counter()
+                for layer in todo:
+                    run(layer)
+                best[key] = min(best[key], time.perf_counter() - start)
+    return best
+
+
+def tune_few_rows(layers: list[PackedLinear], pad_to: int) -> int:
+    """Choose, by `few_row_costs` on this CPU, how `layers` run the few rows of decoding:
+    keep the one-row ``W.T`` copies only where MKL runs one row faster than the packed
+    kernel (else drop them: half the weight memory), and pad two-row inputs to `pad_to`
+    rows only where `pad_to` rows cost less than two. Returns the rows few-row passes
+    should be padded to (`pad_to`, or 1: no padding), which callers that can pad a whole
+    pass (`rose.runner`) follow too. The paths compute the same products (a few ulps
+    apart), so only speed and memory depend on the choice."""
+    if not layers or (pad_to <= 2 and all(layer._single_row is None for layer in layers)):
+        return 1  # nothing to choose
+    costs = few_row_costs(layers, pad_to)
+    keep_copies = costs.get("mkl 1", float("inf")) < costs["packed 1"]
+    pad = pad_to if pad_to > 2 and costs[f"packed {pad_to}"] < costs["packed 2"] else 1
+    log.info(
+        "few-row products on this CPU (ms per sweep of %d layers): %s; one-row W.T copies "
+        "%s, two-row inputs %s",
+        len(layers),
+        ", ".join(f"{k} {v * 1e3:.2f}" for k, v in costs.items()),
+        "kept" if keep_copies else "dropped",
+        f"padded to {pad}" if pad > 1 else "not padded",
+    )
+    for layer in layers:
+        if not keep_copies:
+            layer._single_row = None
+        layer.min_rows = pad
+    return pad
 
 
 # The product `bf16_speedup` times: an encoder MLP's shape at a pass's row count.

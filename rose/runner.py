@@ -27,13 +27,6 @@ from rose.spec.tree import DraftTree, tree_metadata
 
 __all__ = ["Chunk", "ModelRunner", "PassOutput"]
 
-_MIN_LOGIT_ROWS = 4
-# On the CPU a pass over 2-3 new tokens costs more than one over 4 (SmolLM2-135M, one
-# thread: 48.4 and 47.5 ms against 45.4; oneDNN streams a weight slower at so few rows, and
-# padding every product instead costs ~600 small ops a pass), so such passes are topped up
-# to this many tokens with fillers (`ModelRunner._fillers`).
-_MIN_PASS_TOKENS = 4
-
 
 @dataclass(frozen=True)
 class Chunk:
@@ -94,11 +87,11 @@ class ModelRunner:
         meta = tree_metadata(AttentionMetadata.build(passed, device=self.device), trees)
         if n_rows == 0:  # only prefill chunks short of their prompts' ends: one row anyway
             idx = [total - 1]
-        elif self.device.type == "cpu" and 1 < n_rows < _MIN_LOGIT_ROWS:
-            # On the CPU 2-3 rows times the big LM head cost more than 4 (MKL runs them
-            # row by row; oneDNN's packed kernel is also slowest at 2: 9.8 vs 6.9 ms for
-            # SmolLM2's 49152 x 576 head on one thread); duplicate rows, drop them after
-            idx += [idx[-1]] * (_MIN_LOGIT_ROWS - n_rows)
+        elif 1 < n_rows < self.model.pass_min_rows:
+            # where 2-3 rows times the big LM head cost more than 4 (AMD Zen 4, oneDNN's
+            # packed kernel: 9.8 vs 6.9 ms at 2 for SmolLM2's 49152 x 576 head on one
+            # thread); duplicate rows, drop them after
+            idx += [idx[-1]] * (self.model.pass_min_rows - n_rows)
         fwd = self.model(
             torch.tensor(ids, device=self.device),
             meta,
@@ -117,16 +110,22 @@ class ModelRunner:
         self.cache.v[:, d] = self.cache.v[:, s]
 
     def _fillers(self, last: tuple[BlockTable, int, int], total: int) -> int:
-        """Filler tokens to append to a pass of ``total`` new tokens (`_MIN_PASS_TOKENS`),
-        fed after the last chunk's tokens (``last``: its table, cached and fed counts):
-        causal attention keeps them out of every real token's view, their K/V land in its
-        cache past the tokens the step keeps (the table's length never covers them; later
-        tokens overwrite them), and no logits or features are read from them. 0 off the
-        CPU, for passes big enough, or when the table has no room for them."""
-        if self.device.type != "cpu" or not 1 < total < _MIN_PASS_TOKENS:
+        """Filler tokens to append to a pass of ``total`` new tokens, up to the model's
+        ``pass_min_rows``, fed after the last chunk's tokens (``last``: its table, cached
+        and fed counts): causal attention keeps them out of every real token's view, their
+        K/V land in its cache past the tokens the step keeps (the table's length never
+        covers them; later tokens overwrite them), and no logits or features are read from
+        them. They pay where a pass of 2-3 tokens costs more than one of 4 (AMD Zen 4,
+        SmolLM2-135M, one thread: 48.4 and 47.5 ms against 45.4; oneDNN streams a weight
+        slower at so few rows, and padding every product instead costs ~600 small ops a
+        pass; `LlamaForCausalLM.pack_weights` measures it at load). 0 where it does not
+        (``pass_min_rows`` 1: GPUs, Zen 5), for passes big enough, or when the table has
+        no room for them."""
+        rows = self.model.pass_min_rows
+        if not 1 < total < rows:
             return 0
         table, cached, fed = last
-        fill = _MIN_PASS_TOKENS - total
+        fill = rows - total
         try:
             table.reserve(cached + fed + fill)
         except OutOfPages:

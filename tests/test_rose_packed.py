@@ -10,10 +10,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from rose import Engine, EngineConfig, RaggedBatch
+from rose import packed as packed_mod
 from rose.assets import ensure_model
 from rose.errors import EngineError
 from rose.models.llama import LlamaConfig, LlamaForCausalLM
-from rose.packed import ACTIVATIONS, PackedLinear, can_pack, pack_linears
+from rose.packed import (
+    ACTIVATIONS,
+    PackedLinear,
+    can_pack,
+    few_row_costs,
+    pack_linears,
+    tune_few_rows,
+)
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.zeros(2, 2)), reason="this PyTorch build has no oneDNN linear ops"
@@ -137,7 +145,15 @@ def _tiny_llama() -> LlamaForCausalLM:
     return model
 
 
-def test_pack_linears_replaces_every_linear_and_keeps_tied_head_dense() -> None:
+def _costs(mkl_1: float, packed_1: float, packed_2: float, packed_4: float):
+    """A stand-in for `few_row_costs`: these sweep times, whatever the layers."""
+    costs = {"mkl 1": mkl_1, "packed 1": packed_1, "packed 2": packed_2, "packed 4": packed_4}
+    return lambda layers, pad_to: dict(costs)
+
+
+def test_pack_linears_replaces_every_linear_and_keeps_tied_head_dense(monkeypatch) -> None:
+    # a CPU like AMD Zen 4: MKL's one-row GEMM and four rows beat the packed kernel's 1 and 2
+    monkeypatch.setattr(packed_mod, "few_row_costs", _costs(4.5, 8.5, 9.8, 6.9))
     model = _tiny_llama()
     n_linear = sum(isinstance(m, nn.Linear) for m in model.modules())
     assert model.pack_weights() == n_linear == 2 * 7 + 1
@@ -147,6 +163,62 @@ def test_pack_linears_replaces_every_linear_and_keeps_tied_head_dense() -> None:
     assert model.layers[0].mlp.w_up._dense is None  # untied: no dense [out, in] copy
     assert model.layers[0].mlp.w_up._single_row is not None  # decoding's one-row copy
     assert model.layers[0].mlp.w_up.min_rows == 4  # two-row passes run as four
+    assert model.pass_min_rows == 4  # and the runner tops 2-3 token passes up to 4
+
+
+def test_few_row_paths_follow_what_this_cpu_runs_faster(monkeypatch) -> None:
+    """A CPU like AMD Zen 5: the packed kernel beats MKL at one row and two rows beat four,
+    so the one-row copies are dropped, nothing is padded, and results stay the products."""
+    seen: list[tuple[int, int]] = []
+    fake = _costs(4.2, 3.2, 3.5, 3.9)
+    monkeypatch.setattr(
+        packed_mod,
+        "few_row_costs",
+        lambda layers, pad_to: seen.append((len(layers), pad_to)) or fake(layers, pad_to),
+    )
+    model, ref = _tiny_llama(), _tiny_llama()
+    dense = {n: m.weight.clone() for n, m in ref.named_modules() if isinstance(m, nn.Linear)}
+    model.pack_weights()
+    assert seen == [(2 * 7 + 1, 4)]  # measured once, over every packed layer
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert all(m._single_row is None and m.min_rows == 1 for m in layers.values())
+    assert model.pass_min_rows == 1
+    for name, layer in layers.items():  # the weight still unpacks exactly
+        assert torch.equal(layer.weight, dense[name])
+    for rows in (1, 2):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        want = x @ dense["layers.0.mlp.w_up"].t()
+        torch.testing.assert_close(layers["layers.0.mlp.w_up"](x), want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("costs", "copies", "pad"),
+    [
+        ((4.5, 8.5, 9.8, 6.9), True, 4),
+        ((4.2, 3.2, 3.5, 3.9), False, 1),
+        ((3.0, 3.2, 3.5, 3.5), True, 1),
+    ],
+)
+def test_tune_few_rows_keeps_each_path_only_where_it_is_faster(
+    monkeypatch, costs, copies, pad
+) -> None:
+    monkeypatch.setattr(packed_mod, "few_row_costs", _costs(*costs))
+    layers = [PackedLinear(_linear(32, 48, False, seed), 4, single_row=True) for seed in (0, 1)]
+    assert tune_few_rows(layers, 4) == pad
+    assert all((m._single_row is not None) == copies and m.min_rows == pad for m in layers)
+
+
+def test_few_row_costs_times_each_path_on_real_layers() -> None:
+    layers = [PackedLinear(_linear(256, 512, False, seed), 4, single_row=True) for seed in (0, 1)]
+    layers.append(PackedLinear(_linear(512, 256, False), 4))  # no copy: not in the MKL sweep
+    layers.append(PackedLinear(_linear(256, 64, False).to(torch.bfloat16), 4))  # bf16 rows
+    costs = few_row_costs(layers, 4)
+    assert sorted(costs) == ["mkl 1", "packed 1", "packed 2", "packed 4"]
+    assert all(0 < t < 1.0 for t in costs.values())  # measured seconds, not defaults
+    assert "mkl 1" not in few_row_costs(layers[2:], 4)
+    bf16_head = [PackedLinear(_linear(32, 48, False).to(torch.bfloat16), 4, single_row=True)]
+    assert bf16_head[0]._single_row is None and tune_few_rows(bf16_head, 1) == 1
+    assert tune_few_rows([], 4) == 1
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ _SPEC_METHODS = ("none", "ngram", "draft", "mtp")
 # `--spec mtp`'s drafts when no flag shapes them: a dynamic tree of 3 nodes up to 3 deep, so
 # a verification pass feeds 4 tokens, as a chain of 3 does, and the head puts its third node
 # where it is likelier kept. The fastest MTP row on both prompt sets on AMD Zen 5
-# (bench/results/spec-zen5.md; SmolLM2-135M, one CPU thread: 1.86x median on chat, the best
-# chain 1.80x; 1.44x on rag-quote, the best chain 1.37x); on Zen 4 (bench/results/spec.md)
+# (bench/results/spec-zen5.md; SmolLM2-135M, one CPU thread: 1.49x median on chat, the best
+# chain 1.44x; 1.18x on rag-quote, the best chain 1.12x); on Zen 4 (bench/results/spec.md)
 # it ties a 5-node tree within this shared machine's noise (1.60x vs 1.67x median on chat,
 # the best chain 1.57x).
 _MTP_TREE_NODES = 3

@@ -34,7 +34,7 @@ from torch import nn
 from rose.attention.metadata import AttentionMetadata
 from rose.attention.paged import PagedKernel, paged_kernel_for
 from rose.kv.cache import PagedKVCache
-from rose.packed import pack_linears
+from rose.packed import PackedLinear, pack_linears
 
 __all__ = [
     "DecoderOutput",
@@ -419,6 +419,9 @@ class LlamaForCausalLM(nn.Module):
         # Plans each pass of a paged-attention kernel (`rose.attention.paged`; FlashInfer on
         # CUDA, set by `from_pretrained`); None: SDPA over gathered K/V.
         self.paged_kernel: PagedKernel | None = None
+        # Rows a pass of 2-3 rows is padded to (`pack_weights`: where this CPU runs that
+        # many faster); 1: no padding.
+        self.pass_min_rows = 1
 
     def new_cache(
         self, num_pages: int, page_size: int, device: torch.device | str | None = None
@@ -482,11 +485,16 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, batch_hint: int = 4) -> int:
         """Run every linear layer on oneDNN-packed weights (`rose.packed`); returns how many
         were packed (0 off CPU). The hint is small because decoding and verification pass a
-        few tokens per sequence; prefill's long passes gain as well. Every layer also keeps
-        ``W.T`` for the single row of plain decoding, so the weights take twice the memory,
-        and pads two-row inputs (a verification of one draft, a decode step of two
-        sequences) to ``batch_hint`` rows, which oneDNN streams faster. Inference only."""
-        return pack_linears(self, batch_hint, single_row=True, min_rows=batch_hint)
+        few tokens per sequence; prefill's long passes gain as well. Where this CPU runs
+        them faster (measured at load, `rose.packed.tune_few_rows`), every layer also keeps
+        ``W.T`` for the single row of plain decoding (the weights then take twice the
+        memory), and passes of 2-3 rows are padded to ``batch_hint`` (`pass_min_rows`:
+        the runner tops such passes up with filler tokens, the layers pad two-row
+        inputs). Inference only."""
+        n = pack_linears(self, batch_hint, single_row=True, min_rows=batch_hint)
+        if isinstance(self.output, PackedLinear):
+            self.pass_min_rows = self.output.min_rows
+        return n
 
     @staticmethod
     def from_pretrained(
