@@ -577,6 +577,10 @@ def main(argv: list[str]) -> int:
         help="where the table goes (the plot beside it); another CPU's run gets its own file",
     )
     args = parser.parse_args(argv)
+    if args.results.is_dir():  # fail now, not after the whole run
+        parser.error(
+            f"--results names the table's file (e.g. engine-zen5.md), not a folder: {args.results}"
+        )
     if args.quick:
         args.texts, args.rounds, args.precision_rounds = 16, 1, 1
     results = args.results
