@@ -36,6 +36,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -51,6 +52,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("rose.packed")
+
+K = TypeVar("K")
 
 # Post-ops the fused kernel applies (name → oneDNN post-op name and algorithm).
 ACTIVATIONS: dict[str, tuple[str, str]] = {
@@ -224,8 +227,7 @@ def pack_linears(
         )
         layers.append(getattr(parent, attr))
         packed += 1
-    if single_row or min_rows > 2:
-        tune_few_rows(layers, min_rows)
+    tune_few_rows(layers, min_rows)  # measures only when there is a choice to make
     return packed
 
 
@@ -252,17 +254,18 @@ def few_row_costs(layers: list[PackedLinear], pad_to: int) -> dict[str, float]:
         sweeps["mkl 1"] = (rowed, lambda layer: row(1, layer) @ layer._single_row)
     for n in sizes:
         sweeps[f"packed {n}"] = (layers, lambda layer, n=n: layer._packed_product(row(n, layer)))
-    best = dict.fromkeys(sweeps, float("inf"))
     with torch.inference_mode():
         for todo, run in sweeps.values():  # first calls: oneDNN builds its kernels
             run(todo[0])
-        for _ in range(_ROW_PROBE_REPEATS):
-            for key, (todo, run) in sweeps.items():
-                start = time.perf_counter()
-                for layer in todo:
-                    run(layer)
-                best[key] = min(best[key], time.perf_counter() - start)
-    return best
+        return _fastest(
+            {key: functools.partial(_sweep, todo, run) for key, (todo, run) in sweeps.items()},
+            _ROW_PROBE_REPEATS,
+        )
+
+
+def _sweep(layers: list[PackedLinear], run: Callable[[PackedLinear], object]) -> None:
+    for layer in layers:
+        run(layer)
 
 
 def tune_few_rows(layers: list[PackedLinear], pad_to: int) -> int:
@@ -317,13 +320,23 @@ def bf16_speedup() -> float:
         linear = nn.Linear(n_in, n_out, bias=False, dtype=dtype).requires_grad_(False)
         linear.weight.copy_(weight)
         layers[dtype] = (PackedLinear(linear, batch_hint=rows), x.to(dtype))
-    best = dict.fromkeys(layers, float("inf"))
     with torch.inference_mode():
         for layer, inputs in layers.values():
             layer(inputs)  # first call: oneDNN builds its kernel
-        for _ in range(_PROBE_REPEATS):
-            for dtype, (layer, inputs) in layers.items():
-                start = time.perf_counter()
-                layer(inputs)
-                best[dtype] = min(best[dtype], time.perf_counter() - start)
+        best = _fastest(
+            {dtype: functools.partial(layer, inputs) for dtype, (layer, inputs) in layers.items()},
+            _PROBE_REPEATS,
+        )
     return best[torch.float32] / best[torch.bfloat16]
+
+
+def _fastest(runs: dict[K, Callable[[], object]], repeats: int) -> dict[K, float]:
+    """The fastest of `repeats` timed calls of each of `runs`, interleaved (each round
+    calls every run once), so that a change in machine load hits all of them alike."""
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(repeats):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[key] = min(best[key], time.perf_counter() - start)
+    return best
