@@ -159,6 +159,7 @@ def _tulip_default(method: str) -> tuple[str, dict[str, Any]]:
     }
     label = method + (" tree" if spec.tree_nodes else "") + f" k={spec.num_draft_tokens}"
     label += " adaptive" if spec.adaptive_k else ""
+    label += f" {spec.ngram_draft_per_match} per match" if spec.ngram_draft_per_match else ""
     label += f" dynamic {spec.tree_nodes}" if spec.tree_nodes else ""
     label += f" stop {spec.chain_min_prob}" if spec.chain_min_prob else ""
     return label, settings
@@ -170,6 +171,9 @@ TULIP_MTP_LABEL, TULIP_MTP = _tulip_default("mtp")
 METHODS: dict[str, dict[str, Any]] = {
     "none": {"method": "none"},
     "ngram k=4": {"method": "ngram", "num_draft_tokens": 4},
+    # Tulip's default until 2026-12-04: drafts grown by 2 after a fully kept step, shrunk by
+    # 1 after a rejection, instead of sized by the matched suffix
+    "ngram k=16 adaptive": {"method": "ngram", "num_draft_tokens": 16, "adaptive_k": True},
     TULIP_NGRAM_LABEL: TULIP_NGRAM,
     "draft 6L k=3": {"method": "draft", "num_draft_tokens": 3},
 }
@@ -305,11 +309,14 @@ def _run_set(
     return runs
 
 
-def _verify_costs(model: LlamaForCausalLM, sizes: tuple[int, ...]) -> dict[int, float]:
-    """Median ms of one target pass over n new tokens (logits for all n) after 200 cached
-    tokens, as a verification of n - 1 drafts costs in the engine: where the model pads
-    few-row passes (``pass_min_rows``), shorter ones are fed with fillers up to it and
-    their logit rows duplicated up to it, as `rose.runner` does."""
+def _verify_costs(
+    model: LlamaForCausalLM, sizes: tuple[int, ...], rounds: int = 5
+) -> dict[int, float]:
+    """Median ms over ``rounds`` of one target pass over n new tokens (logits for all n)
+    after 200 cached tokens, as a verification of n - 1 drafts costs in the engine: where
+    the model pads few-row passes (``pass_min_rows``), shorter ones are fed with fillers up
+    to it and their logit rows duplicated up to it, as `rose.runner` does. Each round
+    passes every size once, so a load change on this shared machine hits all sizes alike."""
     from rose.attention.metadata import AttentionMetadata
     from rose.kv.allocator import PageAllocator
     from rose.kv.block_table import BlockTable
@@ -317,25 +324,23 @@ def _verify_costs(model: LlamaForCausalLM, sizes: tuple[int, ...]) -> dict[int, 
     pad = model.pass_min_rows
     cache = model.new_cache(32, 16)
     table = BlockTable(PageAllocator(32), 16)
-    table.reserve(240)
+    table.reserve(200 + max(sizes))
     ids = torch.randint(
-        0, model.config.vocab_size, (216,), generator=torch.Generator().manual_seed(0)
+        0, model.config.vocab_size, (200 + max(sizes),), generator=torch.Generator().manual_seed(0)
     )
-    out: dict[int, float] = {}
+    times: dict[int, list[float]] = {n: [] for n in sizes}
     with torch.no_grad():
         model(ids[:200], AttentionMetadata.build([(table, 0, 200)]), cache, torch.tensor([199]))
-        for n in sizes:
-            padded = 1 < n < pad
-            rows = list(range(n)) + [n - 1] * (pad - n if padded else 0)
-            fed = pad if padded else n
-            times = []
-            for _ in range(5):
+        for _ in range(rounds):
+            for n in sizes:
+                padded = 1 < n < pad
+                rows = list(range(n)) + [n - 1] * (pad - n if padded else 0)
+                fed = pad if padded else n
                 t0 = time.perf_counter()
                 meta = AttentionMetadata.build([(table, 200, fed)])
                 model(ids[200 : 200 + fed], meta, cache, torch.tensor(rows)).logits.argmax(-1)
-                times.append(time.perf_counter() - t0)
-            out[n] = statistics.median(times) * 1e3
-    return out
+                times[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) * 1e3 for n, t in times.items()}
 
 
 def _few_rows_note(model: LlamaForCausalLM) -> str:
@@ -564,7 +569,7 @@ def _write(
         "## Verification cost by tokens per pass",
         "",
         "One target pass over n new tokens after 200 cached ones (the verification of n - 1 "
-        "drafts), median of 5, ms. " + few_rows,
+        "drafts), median of 5 rounds over every size, ms. " + few_rows,
         "",
         "| tokens | " + " | ".join(str(n) for n in costs) + " |",
         "|---|" + "---|" * len(costs),

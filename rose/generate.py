@@ -267,7 +267,7 @@ class GenerationEngine:
         logprobs = self._logprobs(batch, out, outcomes, scored) if scored else {}
         outputs: list[StepOutput] = []
         for i, (s, outcome) in enumerate(zip(batch, outcomes, strict=True)):
-            path = [] if outcome is None else outcome[0]
+            path = [] if outcome is None else self._until_stop(s.request, outcome[0])
             self._keep(s, path, emits=outcome is not None)
             if p is not None and chain is None:  # on the device, `settle` did this
                 p.accept(s.request, self._verified(s, path, out, i))
@@ -413,6 +413,16 @@ class GenerationEngine:
                 for t in scores[first : first + count]
             ]
         return result
+
+    @staticmethod
+    def _until_stop(r: Request, path: list[int]) -> list[int]:
+        """``path`` up to and with its first draft that is a stop token (EOS): the target
+        also verifies drafts past it, but the request ends there, so those are not kept."""
+        drafts = [] if r.proposal is None else r.proposal.tokens
+        for j, node in enumerate(path):
+            if r.stopper.is_stop_token(drafts[node]):
+                return path[: j + 1]
+        return path
 
     def _keep(self, s: Scheduled, path: list[int], emits: bool) -> None:
         """Record the step and cut ``s``'s target table to the tokens the pass kept (its

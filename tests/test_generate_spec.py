@@ -90,6 +90,7 @@ def baseline(target: LlamaForCausalLM, prompts: list[list[int]]) -> list[list[in
         ("draft", "truncated", 1),
         ("ngram-adaptive", None, 6),
         ("draft-adaptive", "truncated", 5),
+        ("ngram-per-match", None, 8),
     ],
 )
 def test_speculative_greedy_identical_to_plain_greedy(
@@ -109,8 +110,12 @@ def test_speculative_greedy_identical_to_plain_greedy(
         )
     )
     adaptive = method.endswith("-adaptive")
+    per_match = 2 if method.endswith("-per-match") else 0
     spec = SpecConfig(
-        method=method.removesuffix("-adaptive"), num_draft_tokens=k, adaptive_k=adaptive
+        method=method.split("-")[0],
+        num_draft_tokens=k,
+        adaptive_k=adaptive,
+        ngram_draft_per_match=per_match,
     )
     cfg = GenerationConfig(max_batch=16, spec=spec)
     eng = GenerationEngine(target, cfg, drafter=d)
@@ -121,7 +126,7 @@ def test_speculative_greedy_identical_to_plain_greedy(
     assert 0 < st.accepted < st.drafted  # both acceptance and rejection were exercised
     assert st.emitted == st.accepted + st.steps
     assert len(st.acceptance_per_position) == k
-    if adaptive:  # after rejections some steps drafted fewer than k tokens
+    if adaptive or per_match:  # after rejections / on short matches, fewer than k drafts
         assert st.drafted < k * st.steps
     assert st.draft_s > 0 and st.verify_s > 0
     assert eng.allocator.num_free == cfg.kv.num_pages  # every page came back

@@ -223,23 +223,56 @@ def test_generation_flags_and_env() -> None:
 
 
 def test_spec_draft_defaults_by_method() -> None:
-    """``--spec ngram`` drafts adaptively up to 16 tokens unless told otherwise; the other
-    methods draft a fixed 4; either default yields to the flags and TULIP_* variables."""
+    """``--spec ngram`` drafts up to 16 tokens, 4 per token of the matched suffix, unless
+    told otherwise; the other methods draft a fixed 4 (mtp: its default tree's 3 deep);
+    either default yields to the flags and TULIP_* variables."""
 
-    def resolved(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, bool]:
+    def resolved(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, int, bool]:
         config = TulipConfig.from_args(["--model", "m", *argv], env or {})
-        return config.draft_tokens, config.adaptive_drafts
+        return config.draft_tokens, config.ngram_per_match, config.spec_adaptive
 
-    assert resolved(["--spec", "ngram"]) == (16, True)
-    assert resolved(["--spec", "ngram", "--no-spec-adaptive"]) == (4, False)
-    assert resolved(["--spec", "ngram"], {"TULIP_SPEC_ADAPTIVE": "false"}) == (4, False)
-    assert resolved(["--spec", "ngram", "--spec-draft-tokens", "8"]) == (8, True)
-    assert resolved(["--spec", "draft", "--draft-layers", "2"]) == (4, False)
-    assert resolved(["--spec", "draft", "--draft-layers", "2", "--spec-adaptive"]) == (4, True)
-    assert resolved(["--spec", "mtp", "--mtp-head", "h"]) == (3, False)
-    assert resolved([]) == (4, False)
+    assert resolved(["--spec", "ngram"]) == (16, 4, False)
+    assert resolved(["--spec", "ngram", "--spec-ngram-per-match", "0"]) == (4, 0, False)
+    assert resolved(["--spec", "ngram"], {"TULIP_SPEC_NGRAM_PER_MATCH": "0"}) == (4, 0, False)
+    assert resolved(["--spec", "ngram", "--spec-ngram-per-match", "2"]) == (16, 2, False)
+    assert resolved(["--spec", "ngram", "--spec-draft-tokens", "8"]) == (8, 4, False)
+    assert resolved(["--spec", "ngram", "--spec-adaptive"]) == (16, 4, True)
+    assert resolved(["--spec", "ngram", "--spec-ngram-per-match", "0", "--spec-adaptive"]) == (
+        16,
+        0,
+        True,
+    )
+    assert resolved(["--spec", "draft", "--draft-layers", "2"]) == (4, 0, False)
+    assert resolved(["--spec", "draft", "--draft-layers", "2"], {"TULIP_SPEC_ADAPTIVE": "1"}) == (
+        4,
+        0,
+        True,
+    )
+    assert resolved(["--spec", "mtp", "--mtp-head", "h"]) == (3, 0, False)
+    assert resolved([]) == (4, 0, False)
     spec = spec_config(TulipConfig.from_args(["--model", "m", "--spec", "ngram"], {}))
-    assert (spec.method, spec.num_draft_tokens, spec.adaptive_k) == ("ngram", 16, True)
+    assert (spec.method, spec.num_draft_tokens, spec.ngram_draft_per_match, spec.adaptive_k) == (
+        "ngram",
+        16,
+        4,
+        False,
+    )
+    with pytest.raises(ConfigError, match="--spec-ngram-per-match is only used with --spec ngram"):
+        TulipConfig.from_args(
+            [
+                "--model",
+                "m",
+                "--spec",
+                "draft",
+                "--draft-layers",
+                "2",
+                "--spec-ngram-per-match",
+                "2",
+            ],
+            {},
+        )
+    with pytest.raises(ConfigError, match="--spec-ngram-per-match must be >= 0"):
+        TulipConfig.from_args(["--model", "m", "--spec", "ngram", "--spec-ngram-per-match=-1"], {})
 
 
 def test_spec_mtp_drafts_a_dynamic_tree_by_default() -> None:

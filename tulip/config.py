@@ -105,10 +105,14 @@ class TulipConfig:
     spec_draft_tokens: int = 0
     """Tokens proposed per step when speculating, the most per step with adaptive drafts;
     0: by method (`draft_tokens`)."""
-    spec_adaptive: bool | None = None
+    spec_adaptive: bool = False
     """Adaptive drafts (`SpecConfig.adaptive_k`): a sequence drafts 2 more tokens after a step
-    that kept all of its drafts and 1 fewer after a rejection; None: on for ``ngram``, whose
-    copies from the prompt run long once they start (bench/results/spec.md)."""
+    that kept all of its drafts and 1 fewer after a rejection."""
+    spec_ngram_per_match: int | None = None
+    """``--spec ngram``: draft at most this many tokens per token of the suffix the lookup
+    matched (`SpecConfig.ngram_draft_per_match`), ``--spec-draft-tokens`` being the most;
+    0: always ``--spec-draft-tokens``; None: 4, so a 4-token match drafts 16
+    (bench/results/spec.md)."""
     spec_tree: str = ""
     """``--spec mtp``: widths of a draft tree per depth, e.g. ``3,2`` (greedy requests verify
     the head's 3 best tokens at depth 1 and 2 at depth 2; `rose.spec.tree`); empty: chain."""
@@ -228,6 +232,13 @@ class TulipConfig:
             raise ConfigError("--spec-chain-min-prob is for chains, not --spec-tree(-nodes)")
         if self.spec_adaptive and self.spec not in ("ngram", "draft"):
             raise ConfigError("--spec-adaptive is only used with --spec ngram or draft")
+        if self.spec_ngram_per_match is not None:
+            if self.spec_ngram_per_match < 0:
+                raise ConfigError(
+                    f"--spec-ngram-per-match must be >= 0, got {self.spec_ngram_per_match}"
+                )
+            if self.spec_ngram_per_match and self.spec != "ngram":
+                raise ConfigError("--spec-ngram-per-match is only used with --spec ngram")
         widths = self.spec_tree_widths
         if len(widths) > self.draft_tokens:
             raise ConfigError(
@@ -237,12 +248,13 @@ class TulipConfig:
 
     @property
     def draft_tokens(self) -> int:
-        """``--spec-draft-tokens``, or by method when 0: 16 for ``ngram`` with adaptive drafts
-        (a step drafts that many only after its shorter drafts were all kept), the default
-        tree's depth for ``mtp`` drafting it (`tree_nodes`), else 4."""
+        """``--spec-draft-tokens``, or by method when 0: 16 for ``ngram`` sizing its drafts
+        by the match (`ngram_per_match`) or adaptively (a step drafts that many only on a
+        long match, or after its shorter drafts were all kept), the default tree's depth for
+        ``mtp`` drafting it (`tree_nodes`), else 4."""
         if self.spec_draft_tokens:
             return self.spec_draft_tokens
-        if self.spec == "ngram" and self.adaptive_drafts:
+        if self.spec == "ngram" and (self.ngram_per_match or self.spec_adaptive):
             return 16
         return _MTP_TREE_DEPTH if self._default_tree else 4
 
@@ -266,9 +278,11 @@ class TulipConfig:
         )
 
     @property
-    def adaptive_drafts(self) -> bool:
-        """``--spec-adaptive``, on by default for ``--spec ngram``."""
-        return self.spec == "ngram" if self.spec_adaptive is None else self.spec_adaptive
+    def ngram_per_match(self) -> int:
+        """``--spec-ngram-per-match``; for ``--spec ngram`` 4 when not given, else 0."""
+        if self.spec != "ngram":
+            return 0
+        return 4 if self.spec_ngram_per_match is None else self.spec_ngram_per_match
 
     @property
     def bundled_mtp_head(self) -> BundledHead | None:
@@ -370,14 +384,20 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--spec-draft-tokens",
         type=int,
-        help="tokens drafted per step, the most with adaptive drafts (default 16 for adaptive "
-        "ngram, else 4)",
+        help="tokens drafted per step, the most when sized by the match or adaptively "
+        "(default 16 for ngram, 3 for mtp's default tree, else 4)",
     )
     gen.add_argument(
         "--spec-adaptive",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="grow drafts after fully kept steps, shrink after rejections (default: on for ngram)",
+        help="grow drafts after fully kept steps, shrink after rejections (default off)",
+    )
+    gen.add_argument(
+        "--spec-ngram-per-match",
+        type=int,
+        help="--spec ngram: draft at most N tokens per matched suffix token, 0: always "
+        "--spec-draft-tokens (default 4)",
     )
     gen.add_argument(
         "--spec-tree", help="--spec mtp: draft-tree widths per depth, e.g. 3,2 (default: chain)"

@@ -106,7 +106,8 @@ def spec_config(config: TulipConfig) -> SpecConfig:
     return SpecConfig(
         method=config.spec,
         num_draft_tokens=config.draft_tokens,
-        adaptive_k=config.adaptive_drafts,
+        ngram_draft_per_match=config.ngram_per_match,
+        adaptive_k=config.spec_adaptive,
         tree_widths=config.spec_tree_widths,
         tree_nodes=config.tree_nodes,
         chain_min_prob=config.spec_chain_min_prob,

@@ -19,6 +19,10 @@ class SpecConfig:
     `rose.spec.proposer.register_proposer`.
     num_draft_tokens: k, tokens proposed per step.
     ngram_max / ngram_min: longest / shortest suffix n-gram looked up (prompt lookup).
+    ngram_draft_per_match: ngram only: a lookup whose matched suffix is n tokens long drafts
+        at most n times this many (within num_draft_tokens), so copies found on long
+        matches run long and guesses from one matching token stay short
+        (`rose.spec.ngram`); 0: num_draft_tokens whatever matched.
     adaptive_k: per sequence, draft 2 more tokens (up to num_draft_tokens) after a step
     that kept every draft and 1 fewer (down to 1) after a rejection.
     draft_dtype: precision the MTP head drafts in. Drafts only need to be good guesses
@@ -62,6 +66,7 @@ class SpecConfig:
     num_draft_tokens: int = 4
     ngram_max: int = 4
     ngram_min: int = 1
+    ngram_draft_per_match: int = 0
     adaptive_k: bool = False
     draft_dtype: str = "auto"
     tree_widths: tuple[int, ...] = ()
@@ -125,6 +130,13 @@ class SpecConfig:
             raise ValueError(
                 f"spec.tree_widths has {len(widths)} depths but num_draft_tokens is "
                 f"{self.num_draft_tokens}"
+            )
+        per_match = self.ngram_draft_per_match
+        if isinstance(per_match, bool) or not isinstance(per_match, int) or per_match < 0:
+            raise ValueError(f"spec.ngram_draft_per_match must be an int >= 0, got {per_match!r}")
+        if per_match and self.method != "ngram":
+            raise ValueError(
+                f"spec.ngram_draft_per_match is for method 'ngram', got method {self.method!r}"
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
