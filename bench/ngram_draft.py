@@ -33,7 +33,7 @@ import os
 import random
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,70 +106,69 @@ class Policy:
 
 @dataclass
 class Replayed:
-    fed: list[int]  # tokens fed per step after the first token (1 + drafts)
+    fed: list[int] = field(default_factory=list)  # tokens fed per step after the first
     drafted: int = 0
     accepted: int = 0
     steps: int = 0  # steps that carried drafts (as SpecStats counts them)
-    by_match: dict[int, list[int]] | None = None  # matched suffix length -> kept drafts
+    by_match: dict[int, list[int]] = field(default_factory=dict)  # suffix length -> kept
 
-
-def _matched(tokens: list[int], max_n: int) -> int:
-    """Length of the suffix `NgramDrafter` matches (its longest with an earlier occurrence)."""
-    from rose.spec.ngram import NgramDrafter
-
-    for n in range(min(max_n, len(tokens) - 1), 0, -1):
-        if NgramDrafter(n, n).propose(tokens, 1):
-            return n
-    return 0
+    def add(self, other: Replayed) -> None:
+        self.fed += other.fed
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.steps += other.steps
+        for m, kept in other.by_match.items():
+            self.by_match.setdefault(m, []).extend(kept)
 
 
 def replay(prompt: list[int], answer: list[int], policy: Policy, max_tokens: int) -> Replayed:
     """The steps greedy decoding with ``policy`` takes to produce ``answer`` (whose first
     token comes from the prefill), as `rose.generate` runs them. ``answer`` ends with the
     EOS token that stopped it, if one did: the engine does not emit it, but a step made it."""
+    from rose.scheduler import draft_room
     from rose.spec import SpecConfig
     from rose.spec.ngram import NgramDrafter
 
     cfg = SpecConfig(**policy.spec())
     drafter = NgramDrafter(cfg.ngram_max, cfg.ngram_min)
-    out = Replayed(fed=[], by_match={})
+    out = Replayed()
     pos, draft_len = 1, 0
     while pos < len(answer):
         tokens = prompt + answer[:pos]
-        want = (draft_len or policy.k) if policy.adaptive else policy.k
-        room = max(0, min(want, max_tokens - pos - 1))
-        d = drafter.propose(tokens, room, policy.per_match) if room else []
+        room = draft_room(draft_len, cfg.num_draft_tokens, cfg.adaptive_k, max_tokens, pos)
+        d = drafter.propose(tokens, room, cfg.ngram_draft_per_match)
         kept = 0
         while kept < len(d) and pos + kept < len(answer) and d[kept] == answer[pos + kept]:
             kept += 1
         # past the kept drafts the step emits one token of its own, unless the last kept one
-        # was the answer's EOS (drafts stop before max_tokens: `room`)
+        # was the answer's EOS (drafts stop before max_tokens: `draft_room`)
         if d:
             out.steps += 1
             out.drafted += len(d)
             out.accepted += kept
-            assert out.by_match is not None
-            out.by_match.setdefault(_matched(tokens, cfg.ngram_max), []).append(kept)
-            if policy.adaptive:
-                full = kept == len(d)
-                draft_len = min(policy.k, len(d) + 2) if full else max(1, len(d) - 1)
+            found = drafter.match(tokens)
+            assert found is not None  # it drafted
+            out.by_match.setdefault(found[1], []).append(kept)
+            if cfg.adaptive_k:
+                draft_len = cfg.next_draft_len(len(d), kept)
         out.fed.append(1 + len(d))
         pos += kept + 1
     return out
 
 
-def _answer(model: LlamaForCausalLM, prompt: list[int], max_tokens: int) -> list[int]:
-    """Plain greedy tokens for ``prompt`` up to and with the first EOS token, if any (an
+def _answers(model: LlamaForCausalLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Plain greedy tokens for each prompt up to and with the first EOS token, if any (an
     engine that knows no EOS runs on past it; what comes after is cut)."""
     from rose.generate import GenerationConfig, GenerationEngine
     from rose.sampling import SamplingParams
 
     eng = GenerationEngine(model, GenerationConfig(max_batch=1))
-    [done] = eng.generate([prompt], SamplingParams(max_tokens=max_tokens))
-    out = done.output_ids
     eos = set(model.config.eos_token_ids)
-    end = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
-    return out[:end]
+    out = []
+    for done in eng.generate(prompts, SamplingParams(max_tokens=max_tokens)):
+        ids = done.output_ids
+        out.append(ids[: next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))])
+    return out
 
 
 def _policies(grid: list[int]) -> list[Policy]:
@@ -203,32 +202,25 @@ def main(argv: list[str]) -> int:
     plain = bench_spec._engine(model, None, None, {"method": "none"})
     bench_spec._one(plain, prompts["chat"][0], 4)  # warm-up
     costs = bench_spec._verify_costs(model, tuple(range(1, K_MAX + 2)), rounds=COST_ROUNDS)
-    answers = {s: [_answer(model, p, max_tokens) for p in ps] for s, ps in prompts.items()}
+    answers = {s: _answers(model, ps, max_tokens) for s, ps in prompts.items()}
     policies = _policies(grid)
     table: dict[tuple[str, str], tuple[float, Replayed]] = {}
     for s in prompts:
         base = sum(costs[1] * (len(a) - 1) for a in answers[s])  # a plain step per token
         for pol in policies:
-            reps = [
-                replay(p, a, pol, max_tokens) for p, a in zip(prompts[s], answers[s], strict=True)
-            ]
-            merged = Replayed(fed=[f for r in reps for f in r.fed], by_match={})
-            for r in reps:
-                merged.steps += r.steps
-                merged.drafted += r.drafted
-                merged.accepted += r.accepted
-                for m, v in (r.by_match or {}).items():
-                    merged.by_match.setdefault(m, []).extend(v)  # type: ignore[union-attr]
+            merged = Replayed()
+            for p, a in zip(prompts[s], answers[s], strict=True):
+                merged.add(replay(p, a, pol, max_tokens))
             table[(s, pol.name)] = (base / sum(costs[f] for f in merged.fed), merged)
     per_match = [p for p in policies if p.per_match]
     best = max(per_match, key=lambda p: table[("rag", p.name)][0])
 
     # the chosen policy through the real engine: same output, same steps as replayed
     failures = []
+    eos = set(model.config.eos_token_ids)
     for s in prompts:
         eng = bench_spec._engine(model, None, None, best.spec())
         got = [bench_spec._one(eng, p, max_tokens)[2] for p in prompts[s]]
-        eos = set(model.config.eos_token_ids)
         if got != [a[:-1] if a[-1] in eos else a for a in answers[s]]:
             failures.append(f"{s}/{best.name}: output differs from no-speculation greedy")
         st, rep = eng.stats, table[(s, best.name)][1]
@@ -292,7 +284,7 @@ def _write(
         "|---|---|---|---|---|---|---|",
     ]
     for s in sets:
-        by_match = table[(s, "ngram k=16")][1].by_match or {}
+        by_match = table[(s, "ngram k=16")][1].by_match
         for m in sorted(by_match):
             v = by_match[m]
             share = [sum(x >= t for x in v) / len(v) for t in (1, 4, 8)]

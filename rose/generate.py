@@ -441,9 +441,7 @@ class GenerationEngine:
             d = proposal.tokens
             self.stats.record(len(d), len(path))
             if self.config.spec.adaptive_k:  # longer after a fully kept chain
-                k_max = self.config.spec.num_draft_tokens
-                grow = len(path) == len(d)
-                r.draft_len = min(k_max, len(d) + 2) if grow else max(1, len(d) - 1)
+                r.draft_len = self.config.spec.next_draft_len(len(d), len(path))
         # the cache now validly holds everything fed except rejected drafts
         r.table.length = s.cached + s.pending + len(path)
         if emits:  # a prefill chunk short of the prompt's end keeps the prompt's pages

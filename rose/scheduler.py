@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from rose.sampling import FinishReason, SamplingParams, StopChecker
     from rose.spec.proposer import Proposal
 
-__all__ = ["CapacityError", "Request", "Scheduled", "Scheduler"]
+__all__ = ["CapacityError", "Request", "Scheduled", "Scheduler", "draft_room"]
 
 
 class CapacityError(OutOfPages):
@@ -118,6 +118,14 @@ class Scheduled:
     def emits(self) -> bool:
         """The pass reaches the request's last token, so it yields its next one."""
         return self.cached + self.pending == len(self.request.tokens)
+
+
+def draft_room(draft_len: int, k_max: int, adaptive: bool, max_tokens: int, generated: int) -> int:
+    """Drafts a decoding sequence may verify in one pass: ``k_max``, or its adaptive
+    ``draft_len`` once set, and never past ``max_tokens - generated - 1`` (the pass emits
+    one token beyond them)."""
+    want = (draft_len or k_max) if adaptive else k_max
+    return max(0, min(want, max_tokens - generated - 1))
 
 
 class Scheduler:
@@ -212,8 +220,7 @@ class Scheduler:
         past ``max_tokens - generated - 1`` (the pass emits one token beyond them)."""
         if not r.decoding:
             return 0
-        want = (r.draft_len or k_max) if adaptive else k_max
-        return max(0, min(want, r.params.max_tokens - len(r.output_ids) - 1))
+        return draft_room(r.draft_len, k_max, adaptive, r.params.max_tokens, len(r.output_ids))
 
     def schedule(self) -> list[Scheduled]:
         """Reserve the pages of every running request's pass (preempting from the back when

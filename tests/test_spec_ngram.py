@@ -20,9 +20,11 @@ def test_copies_what_followed_the_most_recent_occurrence_of_the_longest_suffix()
     # suffix [1, 2, 3] occurs once (at 0), the 1-gram [3] more recently (at 7)
     tokens = [1, 2, 3, 40, 41, 42, 9, 3, 50, 1, 2, 3]
     assert d.propose(tokens, 3) == [40, 41, 42]
+    assert d.match(tokens) == (3, 3)  # 3 tokens matched, copying from index 3
     # only the 1-gram [7] matches; its most recent earlier occurrence is followed by 8
     assert d.propose([7, 5, 7, 8, 6, 7], 2) == [8, 6]
     assert d.propose([1, 2, 3, 4], 4) == []  # nothing recurs
+    assert d.match([1, 2, 3, 4]) is None
     assert d.propose([5, 6, 5, 6], 0) == []
 
 

@@ -74,6 +74,14 @@ class SpecConfig:
     chain_min_prob: float = 0.0
     device_chain: str = "auto"
 
+    def next_draft_len(self, drafted: int, kept: int) -> int:
+        """``adaptive_k``: drafts a sequence wants next after a step that kept ``kept`` of
+        its ``drafted``: 2 more after keeping all (up to num_draft_tokens), else 1 fewer
+        (down to 1)."""
+        if kept == drafted:
+            return min(self.num_draft_tokens, drafted + 2)
+        return max(1, drafted - 1)
+
     @property
     def max_fed_drafts(self) -> int:
         """Most draft tokens one verification pass feeds per sequence (tree nodes included)."""

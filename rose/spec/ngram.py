@@ -38,12 +38,13 @@ class NgramDrafter:
         self.max_n = max_n
         self.min_n = min_n
 
-    def propose(self, tokens: list[int], k: int, per_match: int = 0) -> list[int]:
-        """Up to ``k`` draft tokens continuing ``tokens`` (empty when nothing matches); with
-        ``per_match``, up to ``per_match`` per token of the suffix that matched."""
+    def match(self, tokens: list[int]) -> tuple[int, int] | None:
+        """``(start, n)``: the longest suffix of ``tokens`` (``max_n`` down to ``min_n``)
+        with an earlier occurrence is ``n`` tokens long, and its most recent earlier
+        occurrence is followed by ``tokens[start]``; None when nothing matches."""
         length = len(tokens)
-        if k < 1 or length < 2:
-            return []
+        if length < 2:
+            return None
         arr = np.asarray(tokens, dtype=np.int64)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             suffix = arr[length - n :]
@@ -51,16 +52,24 @@ class NgramDrafter:
             windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n  # just after the most recent occurrence
-                if per_match:
-                    k = min(k, per_match * n)
-                # Copy forward; a match close to the end keeps copying from the draft
-                # itself (LZ77-style overlap), which continues periodic text.
-                out = list(tokens)
-                for i in range(k):
-                    out.append(out[start + i])
-                return out[length:]
-        return []
+                return int(hits[-1]) + n, n
+        return None
+
+    def propose(self, tokens: list[int], k: int, per_match: int = 0) -> list[int]:
+        """Up to ``k`` draft tokens continuing ``tokens`` (empty when nothing matches); with
+        ``per_match``, up to ``per_match`` per token of the suffix that matched."""
+        found = self.match(tokens) if k >= 1 else None
+        if found is None:
+            return []
+        start, n = found
+        if per_match:
+            k = min(k, per_match * n)
+        # Copy forward; a match close to the end keeps copying from the draft itself
+        # (LZ77-style overlap), which continues periodic text.
+        out = list(tokens)
+        for i in range(k):
+            out.append(out[start + i])
+        return out[len(tokens) :]
 
 
 class NgramProposer:
