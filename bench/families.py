@@ -1,6 +1,6 @@
 """ROSE on the newer encoder families (issues #22, #23) vs their usual CPU peers.
 
-Three random-weight models at real checkpoint shapes, each against the library people run it
+Four random-weight models at real checkpoint shapes, each against the library people run it
 with today, on the same texts, the same thread count, fp32, in one process:
 
   qwen3-bidir   pplx-embed-v1-0.6B's shapes (Qwen3-0.6B: hidden 1024, 16 q / 8 kv heads of 128,
@@ -14,6 +14,10 @@ with today, on the same texts, the same thread count, fp32, in one process:
                 ``sentence_transformers.CrossEncoder.predict``.
   deberta-v3    DeBERTa-v3-base's shapes (mxbai-rerank-base-v1) as
                 ``DebertaV2ForSequenceClassification`` with one label. Peer: ``CrossEncoder``.
+  embeddinggemma  EmbeddingGemma-300m's shapes (Gemma 3: hidden 768, 3 q / 1 kv heads of 256,
+                MLP 1152, vocab 262,144; five sliding-window layers (512) to one full), run
+                bidirectionally, mean pooling, its two Dense projections 768 -> 3072 -> 768
+                and Normalize. Peer: ``SentenceTransformer.encode``.
 
 Fewer layers than the checkpoints keep the run short (the layer count is in the results);
 each layer does the real checkpoint's work, so the ratio is the full model's. Each model
@@ -142,6 +146,28 @@ def _deberta_v3(layers: int) -> Any:
     )
 
 
+def _gemma3(layers: int) -> Any:
+    import transformers
+
+    return transformers.Gemma3TextConfig(
+        vocab_size=262_144,
+        hidden_size=768,
+        intermediate_size=1152,
+        num_hidden_layers=layers,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        layer_types=[
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)
+        ],
+        max_position_embeddings=2048,
+        use_bidirectional_attention=True,
+        pad_token_id=SPECIALS["[PAD]"],
+    )
+
+
 MODELS = (
     Model(
         "qwen3-bidir",
@@ -173,7 +199,19 @@ MODELS = (
         _deberta_v3,
         "DebertaV2ForSequenceClassification",
     ),
+    Model(
+        "embeddinggemma",
+        "embedding",
+        "sentence-transformers SentenceTransformer.encode",
+        "EmbeddingGemma-300m (Gemma 3)",
+        24,
+        6,
+        _gemma3,
+        "Gemma3TextModel",
+    ),
 )
+# Dense projections after the pooling (sentence-transformers modules), per model
+DENSE = {"embeddinggemma": ((768, 3072), (3072, 768))}
 
 
 # -- model directories -------------------------------------------------------------------------
@@ -223,7 +261,35 @@ def _write_dir(model: Model, path: Path) -> None:
         )
     )
     if model.kind == "embedding":
-        write_pooling(path, cfg.hidden_size)
+        write_pooling(path, cfg.hidden_size, normalize=model.name in DENSE)
+    if model.name in DENSE:
+        _write_dense(path, DENSE[model.name])
+
+
+def _write_dense(path: Path, shapes: tuple[tuple[int, int], ...]) -> None:
+    """Random sentence-transformers Dense modules (no bias, identity) between the Pooling and
+    the Normalize module `write_pooling` wrote, as EmbeddingGemma's modules.json lists them."""
+    import torch
+    from sentence_transformers.sentence_transformer.modules import Dense
+
+    modules = json.loads((path / "modules.json").read_text())
+    normalize = modules.pop()
+    for n_in, n_out in shapes:
+        folder = f"{len(modules)}_Dense"
+        (path / folder).mkdir()
+        Dense(n_in, n_out, bias=False, activation_function=torch.nn.Identity()).save(
+            str(path / folder)
+        )
+        modules.append(
+            {
+                "idx": len(modules),
+                "name": folder,
+                "path": folder,
+                "type": "sentence_transformers.models.Dense",
+            }
+        )
+    modules.append({**normalize, "idx": len(modules)})
+    (path / "modules.json").write_text(json.dumps(modules, indent=2))
 
 
 # -- workload ----------------------------------------------------------------------------------
@@ -301,6 +367,19 @@ class QwenPeer:
             weights = keep.unsqueeze(-1).to(hidden.dtype)  # [B, L, 1]
             pooled = (hidden * weights).sum(1) / weights.sum(1)
         return pooled.numpy()
+
+
+class SentenceTransformerPeer:
+    """sentence-transformers SentenceTransformer.encode on the texts (its own modules: pooling,
+    Dense, Normalize), one call per batch."""
+
+    def __init__(self, model: Model, path: Path) -> None:
+        from sentence_transformers import SentenceTransformer
+
+        self.st = SentenceTransformer(str(path), device="cpu")
+
+    def __call__(self, rows: list[Any]) -> np.ndarray:
+        return self.st.encode(rows, batch_size=len(rows), show_progress_bar=False)
 
 
 class CrossEncoderPeer:
@@ -385,7 +464,8 @@ def _bench_model(model: Model, args: argparse.Namespace, root: Path) -> tuple[li
     _write_dir(model, path)
     vocab = model.config(1).vocab_size
     rose = Rose(model, path)
-    peer = QwenPeer(model, path) if model.name == "qwen3-bidir" else CrossEncoderPeer(model, path)
+    peers = {"qwen3-bidir": QwenPeer, "embeddinggemma": SentenceTransformerPeer}
+    peer = peers.get(model.name, CrossEncoderPeer)(model, path)
     counts = {1: args.single, 32: args.texts}
     rows: list[Row] = []
     note, ok = "", True
@@ -504,7 +584,7 @@ def main(argv: list[str]) -> int:
 
     met = all(r.ratio >= BAR for r in rows)
     lines = [
-        "# ROSE on the new families (CPU): Qwen3 bidirectional embedder, ModernBERT and DeBERTa-v3 cross-encoders",
+        "# ROSE on the new families (CPU): Qwen3 and Gemma 3 bidirectional embedders, ModernBERT and DeBERTa-v3 cross-encoders",
         "",
         f"fp32, torch.set_num_threads({args.threads}) for every system, random weights at the checkpoints' shapes, "
         f"{args.rounds} rounds alternating which system runs first; tokens/s from the median round, the ratio is "

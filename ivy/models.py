@@ -120,13 +120,16 @@ def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
         )
         max_tokens = positions - offset
     outputs: tuple[str, ...] = ("dense",)
+    dimensions = int(config.get("hidden_size") or 0)
     if kind == EMBEDDING:  # a guess until a replica's Info confirms it
         modules = _read_json_any(directory / "modules.json")
-        types = [
-            str(m.get("type", "")).rsplit(".", 1)[-1]
-            for m in (modules if isinstance(modules, list) else [])
-            if isinstance(m, dict)
-        ]
+        entries = [m for m in (modules if isinstance(modules, list) else []) if isinstance(m, dict)]
+        types = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in entries]
+        for entry, kind_name in zip(entries, types, strict=True):
+            if kind_name == "Dense":  # sentence-transformers Dense layers set the width
+                dense = _read_json_any(directory / str(entry.get("path", "")) / "config.json")
+                if isinstance(dense, dict) and dense.get("out_features"):
+                    dimensions = int(dense["out_features"])
         sparse = (directory / "sparse_linear.pt").is_file() or "SpladePooling" in types
         colbert = (directory / "colbert_linear.pt").is_file()
         outputs += ("sparse",) * sparse + ("multi_vector",) * colbert + ("token_states",)
@@ -135,7 +138,7 @@ def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
     return ModelSpec(
         labels=labels,
         kind=kind,
-        dimensions=int(config.get("hidden_size") or 0),
+        dimensions=dimensions,
         max_input_tokens=max_tokens,
         query_prompt=query_prompt,
         document_prompt=document_prompt,

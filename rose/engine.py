@@ -52,6 +52,7 @@ from rose.lazy import LazyTensor, RaggedRows, StepOutputs
 from rose.loading import (
     ModelInfo,
     read_config,
+    read_dense,
     read_logit_score,
     read_sentence_settings,
     read_splade,
@@ -59,7 +60,7 @@ from rose.loading import (
 )
 from rose.models import EncoderConfig, Family, FamilyOptions, bert, family_for, qwen3
 from rose.packed import bf16_speedup
-from rose.pooling import POOL_CODES, pool_ragged
+from rose.pooling import POOL_CODES, dense_projection, pool_ragged
 
 __all__ = ["Engine", "pass_groups"]
 
@@ -131,6 +132,7 @@ class Engine:
         capture: CaptureBackend | None = None,
         heads: BgeM3Heads | None = None,
         special_ids: frozenset[int] = frozenset(),
+        projection: torch.nn.Module | None = None,
     ) -> None:
         self._family = family
         self._model = model  # the family's module: encoder / classify (`rose.models`)
@@ -142,6 +144,7 @@ class Engine:
         self._default_mode = POOL_CODES[info.default_pooling]
         self._heads = heads  # BGE-M3's sparse / ColBERT heads, on the model's device
         self._special = np.asarray(sorted(special_ids), dtype=np.int64)  # sparse drops these
+        self._projection = projection  # sentence-transformers Dense layers after pooling
         self._graphs: GraphManager[_Slot] | None = None
         if (
             capture is None
@@ -187,6 +190,8 @@ class Engine:
                     raise EngineError(f"{path}: both sparse_linear.pt and SpladePooling; pick one")
                 special = read_special_ids(path)
             heads = heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        dense = () if cfg.classifier else read_dense(path, cfg.hidden_size)
+        projection = dense_projection(dense, device)
         outputs: tuple[str, ...] = ()
         if not cfg.classifier:
             sparse = options.lm_head or (heads is not None and heads.sparse_linear is not None)
@@ -207,7 +212,7 @@ class Engine:
         info = ModelInfo(
             name=path.name or path.resolve().name,
             kind="cross-encoder" if cfg.classifier else "embedding",
-            dimensions=cfg.hidden_size,
+            dimensions=int(dense[-1].weight.shape[0]) if dense else cfg.hidden_size,
             max_input_tokens=max_tokens,
             vocab_size=cfg.vocab_size,
             num_labels=cfg.num_labels,
@@ -230,7 +235,16 @@ class Engine:
             num_kv_heads=cfg.num_kv_heads,
             causal=cfg.causal,
         )
-        engine = cls(family, model, info, config, choice.backend, heads=heads, special_ids=special)
+        engine = cls(
+            family,
+            model,
+            info,
+            config,
+            choice.backend,
+            heads=heads,
+            special_ids=special,
+            projection=projection,
+        )
         if config.quantize == "int8":
             engine._quantize_int8(path)
         mode = reduced_mode(config)
@@ -470,14 +484,19 @@ class Engine:
         present: frozenset[int] | None,
         spans: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
-        """Hidden states [T, H] → pooled rows [B, H] ([S, H] spans; logits for classifiers)."""
+        """Hidden states [T, H] → pooled rows [B, D] ([S, D] spans; D = H unless Dense layers
+        follow the pooling; logits for classifiers)."""
         if self._cfg.classifier:
             return self._model.classify(hidden, cu_seqlens, seg_ids).float()  # [B, labels]
         if spans is not None:
             index, cu_spans, span_ids = spans
             picked = hidden.index_select(0, index)  # [P, H]
-            return pool_ragged(picked, cu_spans, span_ids, modes, normalize, present)  # [S, H]
-        return pool_ragged(hidden, cu_seqlens, seg_ids, modes, normalize, present)  # [B, H]
+            return pool_ragged(
+                picked, cu_spans, span_ids, modes, normalize, present, self._projection
+            )  # [S, D]
+        return pool_ragged(
+            hidden, cu_seqlens, seg_ids, modes, normalize, present, self._projection
+        )  # [B, D]
 
     def _run_eager(self, host: _HostBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(pooled rows, hidden states [T, H]) of an eager pass. On CPU the encoder runs

@@ -14,9 +14,11 @@ import torch
 from rose.errors import EngineError
 
 __all__ = [
+    "DenseLayer",
     "ModelInfo",
     "SentenceSettings",
     "read_config",
+    "read_dense",
     "read_logit_score",
     "read_sentence_settings",
     "read_splade",
@@ -34,7 +36,19 @@ _ST_POOLING_LEGACY = {
 _ST_POOLING_SUPPORTED = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
 # sentence-transformers module classes (last component of "type" in modules.json);
 # MLMTransformer is a Transformer whose output is the masked-LM logits (SparseEncoder).
-_ST_MODULES_SUPPORTED = {"Transformer", "Pooling", "Normalize", "MLMTransformer", "SpladePooling"}
+_ST_MODULES_SUPPORTED = {
+    "Transformer",
+    "Pooling",
+    "Dense",
+    "Normalize",
+    "MLMTransformer",
+    "SpladePooling",
+}
+# Dense activation_function (its class path in the module's config.json) → `DenseLayer.activation`
+_DENSE_ACTIVATIONS = {
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.Tanh": "tanh",
+}
 # SpladePooling settings served: max over tokens of log(1 + relu(logits)).
 _SPLADE_SUPPORTED = {"pooling_strategy": "max", "activation_function": "relu"}
 
@@ -89,6 +103,80 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise EngineError(f"{model_dir / 'config.json'}: expected a JSON object")
     return raw
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """A sentence-transformers ``Dense`` module: ``activation(x @ weight.T + bias)`` on each
+    pooled vector (EmbeddingGemma's 768 -> 3072 -> 768 projections, LaBSE's tanh layer)."""
+
+    weight: torch.Tensor  # [out, in] float32
+    bias: torch.Tensor | None  # [out] float32
+    activation: str  # "identity" | "tanh"
+
+
+def _st_modules(model_dir: Path) -> list[dict[str, Any]]:
+    """modules.json's entries in order ([] without the file)."""
+    modules_path = model_dir / "modules.json"
+    if not modules_path.exists():
+        return []
+    modules = _read_json(modules_path)
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise EngineError(f"{modules_path}: expected a JSON list of objects")
+    return modules
+
+
+def _kind(module: dict[str, Any]) -> str:
+    return str(module.get("type", "")).rsplit(".", 1)[-1]
+
+
+def read_dense(model_dir: Path, width: int) -> tuple[DenseLayer, ...]:
+    """The ``Dense`` modules between Pooling and Normalize, in order, their shapes chained from
+    the pooled `width` (EngineError for a Dense elsewhere, a misfit shape or an activation
+    other than Identity / Tanh)."""
+    modules = _st_modules(model_dir)
+    kinds = [_kind(m) for m in modules]
+    layers: list[DenseLayer] = []
+    for i, (module, kind) in enumerate(zip(modules, kinds, strict=True)):
+        if kind != "Dense":
+            continue
+        if "Pooling" not in kinds[:i] or "Normalize" in kinds[:i]:
+            raise EngineError(
+                f"{model_dir / 'modules.json'}: a Dense module is served only between Pooling "
+                "and Normalize"
+            )
+        folder = model_dir / str(module.get("path", ""))
+        raw = _read_json(folder / "config.json")
+        names = {raw.get("module_input_name"), raw.get("module_output_name")} - {None}
+        if raw.get("use_residual") or names - {"sentence_embedding"}:
+            raise EngineError(
+                f"{folder / 'config.json'}: a Dense module is served on the sentence embedding "
+                "only, without use_residual"
+            )
+        name = str(raw.get("activation_function", "torch.nn.modules.linear.Identity"))
+        if name not in _DENSE_ACTIVATIONS:
+            raise EngineError(
+                f"{folder / 'config.json'}: Dense activation_function {name!r} is not supported "
+                f"(supported: {sorted(_DENSE_ACTIVATIONS)})"
+            )
+        tensors = read_tensors(folder)
+        weight = tensors.get("linear.weight")
+        bias = tensors.get("linear.bias") if raw.get("bias", True) else None
+        want = (int(raw.get("out_features", -1)), width)
+        if weight is None or tuple(weight.shape) != want:
+            got = None if weight is None else tuple(weight.shape)
+            raise EngineError(f"{folder}: Dense linear.weight has shape {got}, expected {want}")
+        if raw.get("bias", True) and (bias is None or tuple(bias.shape) != (want[0],)):
+            raise EngineError(f"{folder}: Dense linear.bias is missing or not [{want[0]}]")
+        layers.append(
+            DenseLayer(
+                weight.float(),
+                None if bias is None else bias.float(),
+                _DENSE_ACTIVATIONS[name],
+            )
+        )
+        width = want[0]
+    return tuple(layers)
 
 
 def read_logit_score(model_dir: Path) -> tuple[int, int | None] | None:

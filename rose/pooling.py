@@ -3,13 +3,18 @@ cross-encoder score activations."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from rose.errors import EngineError
+
+if TYPE_CHECKING:
+    from rose.loading import DenseLayer
 
 __all__ = [
     "ACTIVATIONS",
@@ -18,6 +23,7 @@ __all__ = [
     "POOL_LAST",
     "POOL_MEAN",
     "apply_activation",
+    "dense_projection",
     "pool_ragged",
     "truncate_dimensions",
 ]
@@ -36,6 +42,7 @@ def pool_ragged(
     modes: torch.Tensor,
     normalize: torch.Tensor,
     present: frozenset[int] | None = None,
+    project: nn.Module | None = None,
 ) -> torch.Tensor:
     """Pool each row of a ragged batch to one float32 vector.
 
@@ -43,7 +50,10 @@ def pool_ragged(
     modes: [B] int64 pooling code per row (`POOL_CODES`); normalize: [B] bool.
     present: the codes that occur in `modes` (computes only those); None computes all three
     and selects per row, which needs no host knowledge (CUDA-graph safe).
-    Returns [B, H] float32. Rows with no tokens (graph padding) pool to zeros.
+    project: the model's sentence-transformers Dense layers (`dense_projection`), applied
+    to the pooled rows before normalization, [B, H] → [B, D].
+    Returns [B, D] float32 (D = H without `project`). Rows with no tokens (graph padding)
+    pool to zeros (then to the projection of zeros).
     """
     rows = modes.shape[0]
     x = hidden.float()  # [T, H]
@@ -68,7 +78,27 @@ def pool_ragged(
         else:
             out = torch.where((modes == code).unsqueeze(1), pooled, out)
     assert out is not None
+    if project is not None:
+        out = project(out)  # [B, D]
     return torch.where(normalize.unsqueeze(1), F.normalize(out, p=2.0, dim=-1), out)
+
+
+def dense_projection(layers: Sequence[DenseLayer], device: torch.device) -> nn.Module | None:
+    """The Dense layers as one float32 module on `device` (None when there are none)."""
+    if not layers:
+        return None
+    parts: list[nn.Module] = []
+    for layer in layers:
+        out_features, in_features = layer.weight.shape
+        linear = nn.Linear(in_features, out_features, bias=layer.bias is not None)
+        with torch.no_grad():
+            linear.weight.copy_(layer.weight)
+            if layer.bias is not None:
+                linear.bias.copy_(layer.bias)
+        parts.append(linear)
+        if layer.activation == "tanh":
+            parts.append(nn.Tanh())
+    return nn.Sequential(*parts).to(device).eval().requires_grad_(False)
 
 
 def truncate_dimensions(x: ArrayT, dims: int, normalize: bool) -> ArrayT:

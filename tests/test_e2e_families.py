@@ -13,6 +13,9 @@ Tiny random-weight models of each family (no registry ships such weights), saved
   HF's tokenizer builds, within 1e-4;
 * `/v1/contextualizedembeddings` on both embedders: the per-chunk means of one joint
   `transformers` pass over the document;
+* EmbeddingGemma's shape (bidirectional Gemma 3 with sliding windows, mean pooling, two
+  Dense projections, Normalize, task prompts), written by sentence-transformers, which is the
+  reference for `/v1/embeddings` with `input_type` and `dimensions`;
 * Qwen3-Embedding's shape (causal, last token, a task prompt; byte-level BPE) and
   Qwen3-Reranker's (a causal LM whose chat template frames instruction, query and
   document; score P("yes")), both written by sentence-transformers, which is the reference
@@ -155,6 +158,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     _tokenizer(out["deberta-rr"], specials=True)
     out["qwen3-last"] = _qwen3_last_token_embedder(root)
     out["qwen3-rr"] = _qwen3_logit_score_reranker(root)
+    out["gemma3-embed"] = _embeddinggemma(root)
     return out
 
 
@@ -250,6 +254,50 @@ def _qwen3_logit_score_reranker(root: Path) -> Path:
     )
     CrossEncoder(modules=[module, LogitScore(yes, no)]).save_pretrained(str(root / "qwen3-rr"))
     return root / "qwen3-rr"
+
+
+# EmbeddingGemma's shape: bidirectional Gemma 3 with sliding-window layers, mean pooling, two
+# Dense projections (768 -> 3072 -> 768 in the real model), Normalize, its task prompts.
+GEMMA_PROMPTS = {"query": "task: search result | query: ", "document": "title: none | text: "}
+
+
+def _embeddinggemma(root: Path) -> Path:
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import (
+        Dense,
+        Normalize,
+        Pooling,
+        Transformer,
+    )
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=49_152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=8,  # sliding layers see 4 tokens either side; the passages are longer
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        max_position_embeddings=256,
+        use_bidirectional_attention=True,
+    )
+    base = _bpe_base(root / "gemma3-base", transformers.Gemma3TextModel(config))
+    identity = torch.nn.Identity()
+    st = SentenceTransformer(
+        modules=[
+            Transformer(str(base)),
+            Pooling(64, "mean"),
+            Dense(64, 256, bias=False, activation_function=identity),
+            Dense(256, 64, bias=False, activation_function=identity),
+            Normalize(),
+        ],
+        prompts=GEMMA_PROMPTS,
+    )
+    st.save_pretrained(str(root / "gemma3-embed"))
+    return root / "gemma3-embed"
 
 
 @pytest.fixture(scope="module")
@@ -422,8 +470,8 @@ def _st_embed(path: Path, texts: list[str], **kwargs: Any) -> np.ndarray:
     return SentenceTransformer(str(path), device="cpu").encode(texts, **kwargs)
 
 
-def _embed(base: str, **body: Any) -> np.ndarray:
-    r = httpx.post(f"{base}/v1/embeddings", json={"model": "qwen3-last", **body}, timeout=60)
+def _embed(base: str, model: str = "qwen3-last", **body: Any) -> np.ndarray:
+    r = httpx.post(f"{base}/v1/embeddings", json={"model": model, **body}, timeout=60)
     assert r.status_code == 200, r.text
     return np.array([d["embedding"] for d in r.json()["data"]], dtype=np.float32)
 
@@ -438,6 +486,30 @@ def test_qwen3_last_token_embedder_equals_sentence_transformers(
     want = _st_embed(path, [QUESTION], prompt_name="query")
     np.testing.assert_allclose(queries, want, atol=1e-4)
     assert float((queries * want).sum()) >= 0.9999
+
+
+def test_embeddinggemma_equals_sentence_transformers(base: str, dirs: dict[str, Path]) -> None:
+    """Gemma 3's sliding-window stack, the Dense projections after the pooling and the task
+    prompts, as sentence-transformers runs the directory it wrote."""
+    path = dirs["gemma3-embed"]
+    documents = _embed(base, "gemma3-embed", input=PASSAGES, input_type="document")
+    np.testing.assert_allclose(
+        documents, _st_embed(path, PASSAGES, prompt_name="document"), atol=1e-4
+    )
+    queries = _embed(base, "gemma3-embed", input=[QUESTION], input_type="query")
+    want = _st_embed(path, [QUESTION], prompt_name="query")
+    np.testing.assert_allclose(queries, want, atol=1e-4)
+    plain = _embed(base, "gemma3-embed", input=[QUESTION])
+    assert float((plain * want).sum()) < 0.9999  # the prompt did change the input
+    # Matryoshka: the first 16 of the projected 64 dimensions, renormalized
+    cut = _embed(base, "gemma3-embed", input=[QUESTION], input_type="query", dimensions=16)
+    np.testing.assert_allclose(cut[0], want[0, :16] / np.linalg.norm(want[0, :16]), atol=1e-4)
+    r = httpx.post(
+        f"{base}/v1/embeddings",
+        json={"model": "gemma3-embed", "input": ["x"], "dimensions": 65},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "at most 64" in r.json()["error"]["message"], r.text
 
 
 def test_an_instruction_takes_the_models_prompt_format(base: str, dirs: dict[str, Path]) -> None:

@@ -185,10 +185,10 @@ def test_unsupported_sentence_transformers_parts(bert_dir: Path, tmp_path: Path)
     _write_st(d, {"pooling_mode": "mean"}, False, None, None)
     modules = json.loads((d / "modules.json").read_text())
     modules.append(
-        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+        {"idx": 2, "name": "2", "path": "2_CNN", "type": "sentence_transformers.models.CNN"}
     )
     (d / "modules.json").write_text(json.dumps(modules))
-    with pytest.raises(EngineError, match="module 'Dense' is not supported"):
+    with pytest.raises(EngineError, match="module 'CNN' is not supported"):
         Engine.load(d)
 
 

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rose.errors import EngineError
-from rose.models import bert, deberta, modernbert, mpnet, qwen3
+from rose.models import bert, deberta, gemma3, modernbert, mpnet, qwen3
 from rose.models.family import EncoderConfig, Family, FamilyOptions
 
 __all__ = ["FAMILIES", "EncoderConfig", "Family", "FamilyOptions", "family_for"]
@@ -51,6 +51,7 @@ FAMILIES: dict[str, Family] = {
     "mpnet": mpnet.FAMILY,
     "deberta-v2": deberta.FAMILY,
     "modernbert": modernbert.FAMILY,
+    "gemma3_text": gemma3.FAMILY,  # EmbeddingGemma
 }
 
 
