@@ -41,6 +41,7 @@ from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
 from rose.models.family import Family, FamilyModule, FamilyOptions
 from rose.models.rows import RowLayout, attend, log_sdpa_fallback, require_bidirectional
+from rose.models.weights import Spec, find_prefix, take
 
 __all__ = [
     "FAMILY",
@@ -406,27 +407,11 @@ def expected_weights(cfg: Gemma3Config) -> dict[str, tuple[str, tuple[int, ...]]
 def load_weights(cfg: Gemma3Config, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Map checkpoint tensors to `Gemma3FamilyModel`'s state dict; raise EngineError on any
     missing, unexpected or misshapen weight (an LM head, tied or not, is ignored)."""
-    anchor = "embed_tokens.weight"
-    prefixes = [p for p in _PREFIXES if p + anchor in tensors]
-    if len(prefixes) != 1:
-        raise EngineError(
-            f"weights: expected exactly one of {[p + anchor for p in _PREFIXES]}, found {len(prefixes)}"
-        )
-    spec = {dst: (prefixes[0] + src, shape) for dst, (src, shape) in expected_weights(cfg).items()}
-    used = {src for src, _ in spec.values()}
-    missing = sorted(used - set(tensors))
-    if missing:
-        raise EngineError(f"weights: missing {len(missing)} tensors, e.g. {missing[:5]}")
-    unexpected = sorted(set(tensors) - used - {"lm_head.weight"})
-    if unexpected:
-        raise EngineError(f"weights: {len(unexpected)} unexpected tensors, e.g. {unexpected[:5]}")
-    state: dict[str, torch.Tensor] = {}
-    for dst, (src, shape) in spec.items():
-        value = tensors[src]
-        if tuple(value.shape) != shape:
-            raise EngineError(f"weights: {src} has shape {tuple(value.shape)}, expected {shape}")
-        state[dst] = value
-    return state
+    prefix = find_prefix(tensors, "embed_tokens.weight", _PREFIXES)
+    spec: Spec = {
+        dst: ((prefix + src,), shape) for dst, (src, shape) in expected_weights(cfg).items()
+    }
+    return take(spec, tensors, ignorable={"lm_head.weight"})
 
 
 def position_ids(cfg: Gemma3Config, ids: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
