@@ -21,7 +21,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -29,6 +28,7 @@ from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
 from rose.models.activations import ACTIVATIONS
 from rose.models.family import EncoderDefaults, Family, FamilyModule, FamilyOptions
+from rose.models.family import row_positions as position_ids
 from rose.models.rows import Block, RowLayout, attend, log_sdpa_fallback, require_bidirectional
 from rose.models.weights import Spec, find_prefix, take
 
@@ -545,14 +545,6 @@ def load_weights(
         # transformers ignores a stored absolute position table when the config does not use it
         ignorable.add(prefix + "embeddings.position_embeddings.weight")
     return take(expected_weights(cfg, prefix), tensors, ignorable, _IGNORED_PREFIXES)
-
-
-def position_ids(cfg: DebertaConfig, ids: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
-    """[T] int64 row-local positions 0, 1, 2, ... (absolute and relative positions alike)."""
-    del cfg
-    lengths = np.diff(cu_seqlens).astype(np.int64)
-    starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)  # [T]
-    return np.arange(ids.size, dtype=np.int64) - starts
 
 
 FAMILY = Family(engine_config, DebertaFamilyModel, load_weights, position_ids)

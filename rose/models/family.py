@@ -11,7 +11,14 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["EncoderConfig", "EncoderDefaults", "Family", "FamilyOptions", "FamilyModule"]
+__all__ = [
+    "EncoderConfig",
+    "EncoderDefaults",
+    "Family",
+    "FamilyModule",
+    "FamilyOptions",
+    "row_positions",
+]
 
 
 @dataclass(frozen=True)
@@ -122,3 +129,13 @@ class FamilyModule(nn.Module):
         from rose.packed import pack_linears
 
         return pack_linears(self, batch_hint)
+
+
+def row_positions(cfg: object, ids: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
+    """`Family.position_ids` of the families that number tokens 0, 1, 2, ... within each
+    row (RoPE and relative positions; `rose.models.rows` reads the rows back from them):
+    [T] int64 for ragged ids [T] with row offsets cu_seqlens [B+1]."""
+    del cfg
+    lengths = np.diff(cu_seqlens).astype(np.int64)
+    starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)  # [T]
+    return np.arange(ids.size, dtype=np.int64) - starts

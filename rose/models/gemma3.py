@@ -32,7 +32,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,6 +39,8 @@ from torch import nn
 from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
 from rose.models.family import Family, FamilyModule, FamilyOptions
+from rose.models.family import row_positions as position_ids
+from rose.models.qwen3 import apply_rope
 from rose.models.rows import RowLayout, attend, log_sdpa_fallback, require_bidirectional
 from rose.models.weights import Spec, find_prefix, take
 
@@ -228,16 +229,6 @@ class RMSNorm(nn.Module):
         return (x32 * scale * (1.0 + self.weight.float())).to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [T, heads, D] (halves rotated); cos, sin [T, 1, D], sin with rotate_half's
-    sign folded into its first half."""
-    half = x.shape[-1] // 2
-    out = x * cos
-    out[..., :half].addcmul_(x[..., half:], sin[..., :half])  # x1·cos - x2·sin
-    out[..., half:].addcmul_(x[..., :half], sin[..., half:])  # x2·cos + x1·sin
-    return out
-
-
 class Attention(nn.Module):
     """q/k/v projections, per-head (1 + w) RMSNorm of q and k, RoPE, grouped-query
     attention within the row (a window on sliding layers)."""
@@ -267,7 +258,7 @@ class Attention(nn.Module):
         q = self.q_norm(self.wq(x).view(t, self.num_heads, d))  # [T, Hq, D]
         k = self.k_norm(self.wk(x).view(t, self.num_kv_heads, d))  # [T, Hkv, D]
         v = self.wv(x).view(t, self.num_kv_heads, d)  # [T, Hkv, D]
-        q, k = _rotate(q, *rope), _rotate(k, *rope)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:  # each key / value head serves `groups` consecutive query heads
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -412,14 +403,6 @@ def load_weights(cfg: Gemma3Config, tensors: Mapping[str, torch.Tensor]) -> dict
         dst: ((prefix + src,), shape) for dst, (src, shape) in expected_weights(cfg).items()
     }
     return take(spec, tensors, ignorable={"lm_head.weight"})
-
-
-def position_ids(cfg: Gemma3Config, ids: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
-    """[T] int64 positions 0, 1, 2, ... within each row (the row layout reads rows from them)."""
-    del cfg
-    lengths = np.diff(cu_seqlens).astype(np.int64)
-    starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)  # [T]
-    return np.arange(ids.size, dtype=np.int64) - starts
 
 
 FAMILY = Family(engine_config, Gemma3FamilyModel, load_weights, position_ids)

@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -27,6 +26,7 @@ from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
 from rose.models.activations import ACTIVATIONS
 from rose.models.family import EncoderDefaults, Family, FamilyModule, FamilyOptions
+from rose.models.family import row_positions as position_ids
 from rose.models.rows import RowLayout, attend, log_sdpa_fallback, require_bidirectional
 from rose.models.weights import Spec, find_prefix, take
 
@@ -432,14 +432,6 @@ def load_weights(
     # A masked-LM checkpoint's prediction head and decoder are not part of the encoder.
     ignored = ("decoder.",) if cfg.classifier else ("head.", "decoder.")
     return take(expected_weights(cfg, prefix), tensors, (), ignored)
-
-
-def position_ids(cfg: ModernBertConfig, ids: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
-    """[T] int64 row-local positions 0, 1, 2, ... (RoPE's positions)."""
-    del cfg
-    lengths = np.diff(cu_seqlens).astype(np.int64)
-    starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)  # [T]
-    return np.arange(ids.size, dtype=np.int64) - starts
 
 
 FAMILY = Family(engine_config, ModernBertFamilyModel, load_weights, position_ids)

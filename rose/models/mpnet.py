@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -24,6 +23,7 @@ from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
 from rose.models.activations import ACTIVATIONS
 from rose.models.family import EncoderDefaults, Family, FamilyModule, FamilyOptions
+from rose.models.family import row_positions as position_ids
 from rose.models.rows import Block, RowLayout, attend, log_sdpa_fallback, require_bidirectional
 from rose.models.weights import Spec, find_prefix, take
 
@@ -337,14 +337,6 @@ def load_weights(cfg: MPNetConfig, tensors: Mapping[str, torch.Tensor]) -> dict[
     ignorable = {prefix + n for n in _IGNORED_NAMES}
     ignorable |= {prefix + "pooler.dense.weight", prefix + "pooler.dense.bias"}
     return take(expected_weights(cfg, prefix), tensors, ignorable, _IGNORED_PREFIXES)
-
-
-def position_ids(cfg: MPNetConfig, ids: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
-    """[T] int64 row-local positions 0, 1, 2, ... (the embedding index is derived on the device)."""
-    del cfg
-    lengths = np.diff(cu_seqlens).astype(np.int64)
-    starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)  # [T]
-    return np.arange(ids.size, dtype=np.int64) - starts
 
 
 FAMILY = Family(engine_config, MPNetFamilyModel, load_weights, position_ids)

@@ -37,7 +37,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,6 +44,7 @@ from torch import nn
 from rose.attention.base import AttentionBackend
 from rose.errors import EngineError
 from rose.models.family import Family, FamilyModule, FamilyOptions
+from rose.models.family import row_positions as position_ids
 
 __all__ = [
     "ARCHITECTURES",
@@ -460,14 +460,6 @@ def _score_row(lm_head: torch.Tensor, cfg: Qwen3Config) -> torch.Tensor:
     if false_id is not None:
         row = row - lm_head[false_id].float()
     return row[None]
-
-
-def position_ids(cfg: Qwen3Config, ids: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
-    """[T] int64 positions 0, 1, 2, ... within each row."""
-    del cfg
-    lengths = np.diff(cu_seqlens).astype(np.int64)
-    starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)  # [T]
-    return np.arange(ids.size, dtype=np.int64) - starts
 
 
 FAMILY = Family(engine_config, Qwen3FamilyModel, load_weights, position_ids)
