@@ -183,14 +183,8 @@ def read_logit_score(model_dir: Path) -> tuple[int, int | None] | None:
     """(true_token_id, false_token_id or None) of a sentence-transformers ``LogitScore``
     module (a causal LM served as a reranker: Qwen3-Reranker in sentence-transformers >= 5.4),
     or None when modules.json has none."""
-    modules_path = model_dir / "modules.json"
-    if not modules_path.exists():
-        return None
-    modules = _read_json(modules_path)
-    if not isinstance(modules, list):
-        raise EngineError(f"{modules_path}: expected a JSON list")
-    for module in modules:
-        if str(module.get("type", "")).rsplit(".", 1)[-1] != "LogitScore":
+    for module in _st_modules(model_dir):
+        if _kind(module) != "LogitScore":
             continue
         path = model_dir / str(module.get("path", "")) / "config.json"
         raw = _read_json(path)
@@ -206,15 +200,7 @@ def read_logit_score(model_dir: Path) -> tuple[int, int | None] | None:
 def read_splade(model_dir: Path) -> bool:
     """Whether modules.json ends in sentence-transformers' ``SpladePooling`` (a SparseEncoder:
     SPLADE's sparse output from the masked-LM head)."""
-    modules_path = model_dir / "modules.json"
-    if not modules_path.exists():
-        return False
-    modules = _read_json(modules_path)
-    if not isinstance(modules, list):
-        raise EngineError(f"{modules_path}: expected a JSON list")
-    return any(
-        str(module.get("type", "")).rsplit(".", 1)[-1] == "SpladePooling" for module in modules
-    )
+    return any(_kind(module) == "SpladePooling" for module in _st_modules(model_dir))
 
 
 def read_sentence_settings(model_dir: Path, classifier: bool) -> SentenceSettings:
@@ -224,23 +210,19 @@ def read_sentence_settings(model_dir: Path, classifier: bool) -> SentenceSetting
         return SentenceSettings(pooling="cls", normalize=False)
     pooling: str | None = None
     normalize = False
-    modules_path = model_dir / "modules.json"
-    if modules_path.exists():
-        modules = _read_json(modules_path)
-        if not isinstance(modules, list):
-            raise EngineError(f"{modules_path}: expected a JSON list")
-        for module in modules:
-            kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-            if kind not in _ST_MODULES_SUPPORTED:
-                raise EngineError(
-                    f"{modules_path}: sentence-transformers module {kind!r} is not supported"
-                )
-            if kind == "Normalize":
-                normalize = True
-            elif kind == "Pooling":
-                pooling = _read_pooling(model_dir / str(module.get("path", "")) / "config.json")
-            elif kind == "SpladePooling":
-                _check_splade(model_dir / str(module.get("path", "")) / "config.json")
+    for module in _st_modules(model_dir):
+        kind = _kind(module)
+        if kind not in _ST_MODULES_SUPPORTED:
+            raise EngineError(
+                f"{model_dir / 'modules.json'}: sentence-transformers module {kind!r} is not "
+                "supported"
+            )
+        if kind == "Normalize":
+            normalize = True
+        elif kind == "Pooling":
+            pooling = _read_pooling(model_dir / str(module.get("path", "")) / "config.json")
+        elif kind == "SpladePooling":
+            _check_splade(model_dir / str(module.get("path", "")) / "config.json")
     prompts: dict[str, str] = {}
     st_config = model_dir / "config_sentence_transformers.json"
     if st_config.exists():
