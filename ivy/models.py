@@ -111,16 +111,12 @@ def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
         # RoBERTa-style position ids start after the padding index.
         offset = (
             int(config.get("pad_token_id") or 0) + 1
-            if config.get("model_type")
-            in (
-                "xlm-roberta",
-                "roberta",
-            )
+            if config.get("model_type") in ("xlm-roberta", "roberta", "camembert")
             else 0
         )
         max_tokens = positions - offset
     outputs: tuple[str, ...] = ("dense",)
-    dimensions = int(config.get("hidden_size") or 0)
+    dimensions = int(config.get("hidden_size") or config.get("dim") or 0)  # dim: DistilBERT
     if kind == EMBEDDING:  # a guess until a replica's Info confirms it
         modules = _read_json_any(directory / "modules.json")
         entries = [m for m in (modules if isinstance(modules, list) else []) if isinstance(m, dict)]

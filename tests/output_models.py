@@ -98,22 +98,36 @@ def make_bge_m3(path: Path) -> Path:
     return path
 
 
-def make_splade(path: Path) -> Path:
-    """A SparseEncoder directory saved by sentence-transformers over a random BertForMaskedLM."""
+def make_splade(path: Path, layout: str = "bert") -> Path:
+    """A SparseEncoder directory saved by sentence-transformers over a random
+    BertForMaskedLM, or a DistilBertForMaskedLM (``layout="distilbert"``: most published
+    SPLADE models, e.g. naver/splade-cocondenser-ensembledistil)."""
     from sentence_transformers import SparseEncoder
     from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
 
     torch.manual_seed(4)
     base = path.parent / (path.name + "-base")
-    config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-    )
-    model = transformers.BertForMaskedLM(config)
+    if layout == "distilbert":
+        model: transformers.PreTrainedModel = transformers.DistilBertForMaskedLM(
+            transformers.DistilBertConfig(
+                vocab_size=VOCAB,
+                dim=HIDDEN,
+                n_layers=2,
+                n_heads=4,
+                hidden_dim=64,
+                max_position_embeddings=64,
+            )  # fmt: skip
+        )
+    else:
+        config = transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+        )
+        model = transformers.BertForMaskedLM(config)
     _spread(model)
     model.save_pretrained(base, safe_serialization=True)
     specials = ["[PAD]", "[CLS]", "[SEP]", "[UNK]"]

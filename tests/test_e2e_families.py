@@ -16,6 +16,10 @@ Tiny random-weight models of each family (no registry ships such weights), saved
 * EmbeddingGemma's shape (bidirectional Gemma 3 with sliding windows, mean pooling, two
   Dense projections, Normalize, task prompts), written by sentence-transformers, which is the
   reference for `/v1/embeddings` with `input_type` and `dimensions`;
+* all-distilroberta-v1's shape (RoBERTa, byte-level BPE with RoBERTa's ``<s> … </s>``
+  frame, mean pooling, Normalize), written by sentence-transformers, the reference for
+  `/v1/embeddings`; a DistilBERT cross-encoder (ms-marco-distilbert's shape), whose
+  `/v1/rerank` and TEI `/predict` scores equal `transformers`';
 * Qwen3-Embedding's shape (causal, last token, a task prompt; byte-level BPE) and
   Qwen3-Reranker's (a causal LM whose chat template frames instruction, query and
   document; score P("yes")), both written by sentence-transformers, which is the reference
@@ -156,6 +160,21 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         transformers.DebertaV2ForSequenceClassification(deberta), root / "deberta-rr"
     )
     _tokenizer(out["deberta-rr"], specials=True)
+    distilbert = transformers.DistilBertConfig(
+        vocab_size=VOCAB,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        hidden_dim=96,
+        max_position_embeddings=64,
+        pad_token_id=1,
+        num_labels=1,
+    )
+    out["distilbert-rr"] = _save(
+        transformers.DistilBertForSequenceClassification(distilbert), root / "distilbert-rr"
+    )
+    _tokenizer(out["distilbert-rr"], specials=True)
+    out["roberta-embed"] = _roberta_embedder(root)
     out["qwen3-last"] = _qwen3_last_token_embedder(root)
     out["qwen3-rr"] = _qwen3_logit_score_reranker(root)
     out["gemma3-embed"] = _embeddinggemma(root)
@@ -203,6 +222,36 @@ def _bpe_base(path: Path, model: torch.nn.Module) -> Path:
     config.pop("chat_template", None)
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
+
+
+def _roberta_embedder(root: Path) -> Path:
+    """all-distilroberta-v1's shape: a RoBERTa encoder, mean pooling, Normalize. SmolLM2's
+    byte-level BPE numbers its specials as RoBERTa does (0 begins, 1 pads, 2 ends a text), so
+    with RoBERTa's post-processor it frames texts as RoBERTa's tokenizer does."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    config = transformers.RobertaConfig(
+        vocab_size=49_152,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=130,
+        type_vocab_size=1,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+    )
+    base = _bpe_base(
+        root / "roberta-base", transformers.RobertaModel(config, add_pooling_layer=False)
+    )
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    tok.post_processor = processors.RobertaProcessing(("<|im_end|>", 2), ("<|endoftext|>", 0))
+    tok.save(str(base / "tokenizer.json"))
+    st = SentenceTransformer(modules=[Transformer(str(base)), Pooling(64, "mean"), Normalize()])
+    st.save_pretrained(str(root / "roberta-embed"))
+    return root / "roberta-embed"
 
 
 def _qwen3_config(**extra: Any) -> transformers.Qwen3Config:
@@ -347,7 +396,7 @@ def test_openai_client_on_a_qwen3_embedder(base: str, dirs: dict[str, Path]) -> 
     np.testing.assert_allclose(vectors, _rose(dirs["qwen3-bidir"], TEXTS[:2]), atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["modernbert-rr", "deberta-rr"])
+@pytest.mark.parametrize("name", ["modernbert-rr", "deberta-rr", "distilbert-rr"])
 def test_rerank_equals_transformers(base: str, dirs: dict[str, Path], name: str) -> None:
     body: dict[str, Any] = {"model": name, "query": QUERY, "documents": TEXTS}
     r = httpx.post(f"{base}/v1/rerank", json=body, timeout=60)
@@ -486,6 +535,26 @@ def test_qwen3_last_token_embedder_equals_sentence_transformers(
     want = _st_embed(path, [QUESTION], prompt_name="query")
     np.testing.assert_allclose(queries, want, atol=1e-4)
     assert float((queries * want).sum()) >= 0.9999
+
+
+def test_roberta_embedder_equals_sentence_transformers(base: str, dirs: dict[str, Path]) -> None:
+    path = dirs["roberta-embed"]
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    assert tok.encode(PASSAGES[0]).ids[0] == 0 and tok.encode(PASSAGES[0]).ids[-1] == 2
+    got = _embed(base, "roberta-embed", input=PASSAGES)
+    want = _st_embed(path, PASSAGES)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert float((got * want).sum(1).min()) >= 0.9999
+
+
+def test_tei_predict_on_a_distilbert_cross_encoder(base: str, dirs: dict[str, Path]) -> None:
+    """TEI's /predict on a pair: the one-label classifier's sigmoid, as transformers has it."""
+    r = httpx.post(
+        f"{base}/predict", json={"model": "distilbert-rr", "inputs": [QUERY, TEXTS[1]]}, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    want = _reference_scores(dirs["distilbert-rr"], QUERY, [TEXTS[1]])[0]
+    assert r.json()[0]["score"] == pytest.approx(want, abs=1e-4)
 
 
 def test_embeddinggemma_equals_sentence_transformers(base: str, dirs: dict[str, Path]) -> None:

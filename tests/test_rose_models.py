@@ -1,5 +1,5 @@
-"""ROSE's BERT / XLM-R encoders and cross-encoder heads against `transformers` on tiny
-random-weight models (fp32, CPU).
+"""ROSE's BERT-layout encoders (BERT, XLM-R, RoBERTa, CamemBERT, DistilBERT) and their
+cross-encoder heads against `transformers` on tiny random-weight models (fp32, CPU).
 
 Tolerances: pooled embeddings and logits within 1e-4 of transformers (observed ~1e-6); a row in
 a mixed-length ragged batch within 1e-5 of the same row run alone.
@@ -39,6 +39,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn
         "xlmr-ce": transformers.XLMRobertaForSequenceClassification(
             tiny_configs.xlmr(num_labels=1)
         ),
+        "roberta": transformers.RobertaModel(tiny_configs.roberta(), add_pooling_layer=False),
+        "roberta-ce": transformers.RobertaForSequenceClassification(
+            tiny_configs.roberta(num_labels=2)
+        ),
+        "camembert-ce": transformers.CamembertForSequenceClassification(
+            transformers.CamembertConfig(**tiny_configs.roberta(num_labels=1).to_dict())
+        ),
+        "distilbert": transformers.DistilBertModel(tiny_configs.distilbert()),
+        "distilbert-ce": transformers.DistilBertForSequenceClassification(
+            tiny_configs.distilbert(num_labels=3)
+        ),
     }
     out = {}
     for name, model in built.items():
@@ -50,7 +61,8 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn
 
 
 def _rows(rng: np.random.Generator, lengths: tuple[int, ...], family: str) -> list[list[int]]:
-    bos, eos = (0, 2) if family.startswith("xlmr") else (101 % VOCAB, 102 % VOCAB)
+    roberta_layout = family.startswith(("xlmr", "roberta", "camembert"))
+    bos, eos = (0, 2) if roberta_layout else (101 % VOCAB, 102 % VOCAB)
     rows = []
     for n in lengths:
         body = rng.integers(3, VOCAB, size=max(n - 2, 0)).tolist()
@@ -66,7 +78,7 @@ def _reference_hidden(
         return model(input_ids=torch.tensor([row]), **kwargs).last_hidden_state[0]  # [L, H]
 
 
-@pytest.mark.parametrize("name", ["bert", "xlmr"])
+@pytest.mark.parametrize("name", ["bert", "xlmr", "roberta", "distilbert"])
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
 def test_encoder_pooling_matches_transformers(models, name: str, pooling: str) -> None:
     model, path = models[name]
@@ -132,7 +144,9 @@ def test_xlmr_positions_skip_padding_tokens(models) -> None:
     torch.testing.assert_close(got[1], _reference_hidden(model, row).mean(0), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["bert-ce", "xlmr-ce", "bert-ce-bin"])
+@pytest.mark.parametrize(
+    "name", ["bert-ce", "xlmr-ce", "bert-ce-bin", "roberta-ce", "camembert-ce", "distilbert-ce"]
+)
 def test_cross_encoder_logits_match_transformers(models, name: str) -> None:
     model, path = models[name]
     engine = Engine.load(path)
@@ -152,7 +166,7 @@ def test_cross_encoder_logits_match_transformers(models, name: str) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["auto", "per-sequence", "block-diagonal"])
-@pytest.mark.parametrize("name", ["bert", "xlmr-ce"])
+@pytest.mark.parametrize("name", ["bert", "xlmr-ce", "distilbert-ce"])
 def test_ragged_batch_equals_rows_alone(models, name: str, strategy: str) -> None:
     _, path = models[name]
     engine = Engine.load(path, EngineConfig(sdpa_strategy=strategy))
@@ -161,6 +175,49 @@ def test_ragged_batch_equals_rows_alone(models, name: str, strategy: str) -> Non
     for i, row in enumerate(rows):
         alone = engine.step(RaggedBatch.from_lists([row])).wait()
         torch.testing.assert_close(together[i], alone[0], atol=1e-5, rtol=0)
+
+
+def test_roberta_positions_skip_padding_tokens(models) -> None:
+    """RoBERTa numbers positions as XLM-R does (fairseq's make_positions from pad + 1)."""
+    model, path = models["roberta"]
+    row = [0, 5, 6, 1, 7, 8, 2]
+    got = Engine.load(path).step(RaggedBatch.from_lists([row], normalize=[False])).wait()
+    torch.testing.assert_close(got[0], _reference_hidden(model, row).mean(0), atol=1e-4, rtol=0)
+
+
+def test_distilbert_takes_pair_types_and_ignores_them(models) -> None:
+    """DistilBERT embeds no token types; BERT-style pair ids (types 0 and 1, as its
+    tokenizer builds pairs) are accepted and change nothing, as in transformers."""
+    model, path = models["distilbert-ce"]
+    engine = Engine.load(path)
+    assert engine.info.kind == "cross-encoder" and engine.info.token_types == 2
+    rows = _rows(np.random.default_rng(7), (12, 6), "distilbert-ce")
+    typed = engine.step(RaggedBatch.from_lists(rows, token_type_ids=[[0] * 5 + [1] * 7, [0] * 6]))
+    plain = engine.step(RaggedBatch.from_lists(rows))
+    torch.testing.assert_close(typed.wait(), plain.wait(), atol=0, rtol=0)
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor([rows[0]])).logits[0]
+    torch.testing.assert_close(plain.wait()[0], want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "architecture"),
+    [("roberta", "XLMRobertaModel"), ("distilbert", "BertModel"), ("bert", "RobertaModel")],
+)
+def test_an_architecture_of_another_model_type_is_refused(
+    models, tmp_path: Path, model_type: str, architecture: str
+) -> None:
+    import json
+    import shutil
+
+    _, path = models["roberta"]
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    raw = json.loads((bad / "config.json").read_text())
+    raw.update(model_type=model_type, architectures=[architecture])
+    (bad / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(EngineError, match=f"{architecture}.*not a '{model_type}' architecture"):
+        Engine.load(bad)
 
 
 def test_attention_strategies_agree(models) -> None:

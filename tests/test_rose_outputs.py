@@ -3,8 +3,8 @@
 * BGE-M3 (tiny random XLM-R + random sparse_linear.pt / colbert_linear.pt): dense, sparse and
   multi-vector outputs of one pass equal FlagEmbedding's formulas on `transformers` hidden
   states; token states equal `transformers`' last hidden states.
-* SPLADE (tiny random BertForMaskedLM saved as a sentence-transformers SparseEncoder): the
-  sparse output equals SparseEncoder.encode.
+* SPLADE (tiny random BertForMaskedLM or DistilBertForMaskedLM saved as a
+  sentence-transformers SparseEncoder): the sparse output equals SparseEncoder.encode.
 * Rows asking for different kinds share one batch; batched == single; fp32 within 1e-4.
 """
 
@@ -41,6 +41,11 @@ def bge(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def splade(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_splade(tmp_path_factory.mktemp("outputs") / "splade")
+
+
+@pytest.fixture(scope="module")
+def splade_distil(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_splade(tmp_path_factory.mktemp("outputs") / "splade-distil", layout="distilbert")
 
 
 def _sparse_dicts(rows: RaggedRows) -> list[dict[int, float]]:
@@ -112,7 +117,11 @@ def test_rows_asking_different_kinds_share_a_batch_and_equal_single_rows(bge: Pa
     assert batched.sparse is not None and batched.sparse.counts[1] == 0
 
 
-def test_splade_equals_sentence_transformers_sparse_encoder(splade: Path) -> None:
+@pytest.mark.parametrize("layout", ["bert", "distilbert"])
+def test_splade_equals_sentence_transformers_sparse_encoder(
+    request: pytest.FixtureRequest, layout: str
+) -> None:
+    splade = request.getfixturevalue("splade" if layout == "bert" else "splade_distil")
     engine = Engine.load(splade, EngineConfig(device="cpu"))
     assert "sparse" in engine.info.outputs and "multi_vector" not in engine.info.outputs
     rows = encode(splade, TEXTS)

@@ -42,6 +42,37 @@ def xlmr(**extra: object) -> transformers.XLMRobertaConfig:
     )
 
 
+def roberta(**extra: object) -> transformers.RobertaConfig:
+    """RoBERTa's layout with RoBERTa's defaults (pad 1, exact GELU, one token type)."""
+    return transformers.RobertaConfig(
+        vocab_size=VOCAB,
+        hidden_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=80,
+        max_position_embeddings=98,
+        type_vocab_size=1,
+        pad_token_id=1,
+        bos_token_id=0,
+        eos_token_id=2,
+        **extra,
+    )
+
+
+def distilbert(**extra: object) -> transformers.DistilBertConfig:
+    """DistilBERT's own config keys (dim, n_layers, n_heads, hidden_dim, activation)."""
+    return transformers.DistilBertConfig(
+        vocab_size=VOCAB,
+        dim=64,
+        n_layers=3,
+        n_heads=4,
+        hidden_dim=112,
+        max_position_embeddings=96,
+        activation="gelu",
+        **extra,
+    )
+
+
 def llama(**over: object) -> transformers.LlamaConfig:
     kw: dict[str, object] = dict(
         vocab_size=97,

@@ -46,6 +46,9 @@ __all__ = ["FAMILIES", "EncoderConfig", "Family", "FamilyOptions", "family_for"]
 FAMILIES: dict[str, Family] = {
     "bert": bert.FAMILY,
     "xlm-roberta": bert.FAMILY,
+    "roberta": bert.FAMILY,
+    "camembert": bert.FAMILY,
+    "distilbert": bert.FAMILY,
     "qwen3": qwen3.FAMILY,
     "bidirectional_pplx_qwen3": qwen3.FAMILY,  # pplx-embed
     "mpnet": mpnet.FAMILY,

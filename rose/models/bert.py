@@ -1,12 +1,24 @@
-"""BERT and XLM-RoBERTa encoders (and their sequence-classification heads) on ragged batches.
+"""BERT-layout encoders (and their sequence-classification and masked-LM heads) on ragged
+batches: BERT, the RoBERTa layout (RoBERTa, XLM-RoBERTa, CamemBERT) and DistilBERT.
 
 Hidden states are [T, H]: the tokens of all rows concatenated, no padding. Attention is the
-only place rows meet and goes through an `AttentionBackend`. Differences between the two
-families are data in `BertConfig`: XLM-R numbers positions from padding_idx + 1 (computed by
-the engine on the host) and has one token type; heads differ as the checkpoints do:
+only place rows meet and goes through an `AttentionBackend`. The three layouts compute the
+same post-norm layer; what differs is data in `BertConfig` (``family``) and the checkpoints'
+names (`_LAYER_NAMES`):
+
+  bert        positions 0, 1, 2, ...; token types embedded (type_vocab_size, usually 2)
+  roberta     positions from padding_idx + 1, padding tokens at padding_idx (fairseq's
+              make_positions, computed by the engine on the host); one token type
+  distilbert  positions 0, 1, 2, ...; no token type embedding (ids of type 1 in a pair are
+              accepted and ignored, as DistilBERT's tokenizer does not pass them on);
+              config.json spells dim / n_layers / n_heads / hidden_dim / activation
+
+Heads differ as the checkpoints do (CLS is each row's first token):
 
   BertForSequenceClassification        CLS → pooler.dense → tanh → classifier
-  XLMRobertaForSequenceClassification  CLS → classifier.dense → tanh → classifier.out_proj
+  RobertaForSequenceClassification     CLS → classifier.dense → tanh → classifier.out_proj
+  DistilBertForSequenceClassification  CLS → pre_classifier → ReLU → classifier
+  masked LM (SPLADE)                   dense → activation → LayerNorm → tied decoder + bias
 """
 
 from __future__ import annotations
@@ -45,13 +57,45 @@ ARCHITECTURES: dict[str, tuple[str, bool]] = {
     "BertForMaskedLM": ("bert", False),
     "BertForPreTraining": ("bert", False),
     "BertForSequenceClassification": ("bert", True),
-    "XLMRobertaModel": ("xlm-roberta", False),
-    "XLMRobertaForMaskedLM": ("xlm-roberta", False),
-    "XLMRobertaForSequenceClassification": ("xlm-roberta", True),
+    "XLMRobertaModel": ("roberta", False),
+    "XLMRobertaForMaskedLM": ("roberta", False),
+    "XLMRobertaForSequenceClassification": ("roberta", True),
+    "RobertaModel": ("roberta", False),
+    "RobertaForMaskedLM": ("roberta", False),
+    "RobertaForSequenceClassification": ("roberta", True),
+    "CamembertModel": ("roberta", False),
+    "CamembertForMaskedLM": ("roberta", False),
+    "CamembertForSequenceClassification": ("roberta", True),
+    "DistilBertModel": ("distilbert", False),
+    "DistilBertForMaskedLM": ("distilbert", False),
+    "DistilBertForSequenceClassification": ("distilbert", True),
 }
-_MODEL_TYPES = {"bert": "bert", "xlm-roberta": "xlm-roberta"}
+# config.json model_type → layout; an architecture, when named, must be of that model_type.
+_MODEL_TYPES = {
+    "bert": "bert",
+    "xlm-roberta": "roberta",
+    "roberta": "roberta",
+    "camembert": "roberta",
+    "distilbert": "distilbert",
+}
+_ARCHITECTURE_PREFIXES = {
+    "bert": "Bert",
+    "xlm-roberta": "XLMRoberta",
+    "roberta": "Roberta",
+    "camembert": "Camembert",
+    "distilbert": "DistilBert",
+}
 
-_DEFAULT_PAD = {"bert": 0, "xlm-roberta": 1}  # transformers' defaults per family
+_DEFAULT_PAD = {"bert": 0, "roberta": 1, "distilbert": 0}  # transformers' defaults per layout
+
+# DistilBERT's config.json names → BERT's (transformers' DistilBertConfig.attribute_map).
+_DISTILBERT_KEYS = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "hidden_dim": "intermediate_size",
+    "activation": "hidden_act",
+}
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -71,9 +115,15 @@ _PACKED_ACTIVATIONS = {
 }
 
 # Weight-name prefixes a checkpoint may put before the encoder's own names.
-_ENCODER_PREFIXES = ("", "bert.", "roberta.")
+_ENCODER_PREFIXES = ("", "bert.", "roberta.", "distilbert.")
 # Checkpoint entries that are not weights of this model (pretraining heads, saved buffers).
-_IGNORED_PREFIXES = ("cls.", "lm_head.")
+_IGNORED_PREFIXES = (
+    "cls.",
+    "lm_head.",
+    "vocab_transform.",
+    "vocab_layer_norm.",
+    "vocab_projector.",
+)
 _IGNORED_NAMES = ("embeddings.position_ids", "embeddings.token_type_ids")
 
 
@@ -81,7 +131,7 @@ _IGNORED_NAMES = ("embeddings.position_ids", "embeddings.token_type_ids")
 class BertConfig(EncoderDefaults):
     """What the encoder needs from config.json."""
 
-    family: str  # "bert" | "xlm-roberta"
+    family: str  # layout: "bert" | "roberta" (RoBERTa, XLM-R, CamemBERT) | "distilbert"
     classifier: bool
     vocab_size: int
     hidden_size: int
@@ -98,8 +148,14 @@ class BertConfig(EncoderDefaults):
 
     @property
     def position_offset(self) -> int:
-        """XLM-R's first position id is padding_idx + 1; BERT's is 0."""
-        return self.pad_token_id + 1 if self.family == "xlm-roberta" else 0
+        """The RoBERTa layout's first position id is padding_idx + 1; the others' is 0."""
+        return self.pad_token_id + 1 if self.family == "roberta" else 0
+
+    @property
+    def embeds_token_types(self) -> bool:
+        """DistilBERT has no token type embedding (``type_vocab_size`` then only bounds the
+        type ids the engine accepts and ignores)."""
+        return self.family != "distilbert"
 
     @property
     def max_input_tokens(self) -> int:
@@ -122,6 +178,19 @@ class BertConfig(EncoderDefaults):
             if model_type not in _MODEL_TYPES:
                 raise EngineError(f"config.json: unsupported model_type {model_type!r}")
             family, classifier = _MODEL_TYPES[model_type], False
+        model_type = raw.get("model_type")
+        if (
+            archs
+            and model_type in _ARCHITECTURE_PREFIXES
+            and not archs[0].startswith(
+                tuple(_ARCHITECTURE_PREFIXES[model_type] + kind for kind in ("Model", "For"))
+            )
+        ):
+            raise EngineError(
+                f"config.json: architecture {archs[0]!r} is not a {model_type!r} architecture"
+            )
+        if family == "distilbert":
+            raw = {**raw, **{ours: raw[k] for k, ours in _DISTILBERT_KEYS.items() if k in raw}}
         if raw.get("position_embedding_type", "absolute") != "absolute":
             raise EngineError(
                 f"config.json: position_embedding_type {raw['position_embedding_type']!r} is not "
@@ -142,9 +211,10 @@ class BertConfig(EncoderDefaults):
                 num_heads=heads,
                 intermediate_size=int(raw["intermediate_size"]),
                 hidden_act=act,
-                layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
+                layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),  # DistilBERT: fixed
                 max_position_embeddings=int(raw["max_position_embeddings"]),
-                type_vocab_size=int(raw.get("type_vocab_size", 2)),
+                # DistilBERT embeds none but takes BERT-style pair ids (types 0 and 1)
+                type_vocab_size=2 if family == "distilbert" else int(raw.get("type_vocab_size", 2)),
                 pad_token_id=int(
                     raw.get("pad_token_id")
                     if raw.get("pad_token_id") is not None
@@ -167,11 +237,11 @@ def engine_config(raw: Mapping[str, Any], options: FamilyOptions) -> BertConfig:
     attend bidirectionally only and have no LM head to score with."""
     if options.attention_mode == "causal":
         raise EngineError(
-            "EngineConfig.attention_mode='causal': BERT and XLM-R encoders attend bidirectionally only"
+            "EngineConfig.attention_mode='causal': BERT-layout encoders attend bidirectionally only"
         )
     if options.score_tokens is not None:
         raise EngineError(
-            "modules.json: a LogitScore module needs a causal LM; BERT and XLM-R have no LM head here"
+            "modules.json: a LogitScore module needs a causal LM; BERT-layout encoders have no LM head here"
         )
     if options.lm_head and _is_classifier(raw):
         raise EngineError(
@@ -196,17 +266,17 @@ class Embeddings(nn.Module):
         super().__init__()
         self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.position = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.token_type = (
+            nn.Embedding(cfg.type_vocab_size, cfg.hidden_size) if cfg.embeds_token_types else None
+        )
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(
         self, ids: torch.Tensor, positions: torch.Tensor, types: torch.Tensor | None
     ) -> torch.Tensor:
         x = self.word(ids) + self.position(positions)  # [T, H]
-        if types is None:
-            x = x + self.token_type.weight[0]
-        else:
-            x = x + self.token_type(types)
+        if self.token_type is not None:  # DistilBERT has none
+            x = x + (self.token_type.weight[0] if types is None else self.token_type(types))
         return self.norm(x)
 
 
@@ -286,32 +356,35 @@ class BertEncoder(nn.Module):
 
 
 class ClassificationHead(nn.Module):
-    """CLS hidden state [B, H] → logits [B, num_labels]: dense, tanh, projection.
+    """CLS hidden state [B, H] → logits [B, num_labels]: dense, activation, projection.
 
     For BERT the dense layer is the checkpoint's pooler and the projection its classifier;
-    for XLM-R both live in the checkpoint's classifier head. The computation is the same.
+    for the RoBERTa layout both live in the checkpoint's classifier head (tanh between
+    them); DistilBERT's are pre_classifier and classifier with a ReLU between them.
     """
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.proj = nn.Linear(cfg.hidden_size, cfg.num_labels)
+        self.act = torch.relu if cfg.family == "distilbert" else torch.tanh
 
     def forward(self, cls_hidden: torch.Tensor) -> torch.Tensor:
-        return self.proj(torch.tanh(self.dense(cls_hidden)))  # [B, num_labels]
+        return self.proj(self.act(self.dense(cls_hidden)))  # [B, num_labels]
 
 
 class MaskedLMHead(nn.Module):
     """The masked-LM head, hidden [N, H] → logits [N, V]: dense, activation, LayerNorm, then
     the decoder, whose weight is the word embeddings (tied) plus a bias of its own.
 
-    BertForMaskedLM (``cls.predictions``) uses config.json's ``hidden_act``; XLM-R's
-    ``lm_head`` uses exact GELU. SPLADE's sparse output reads these logits."""
+    BertForMaskedLM (``cls.predictions``) and DistilBertForMaskedLM (``vocab_transform``,
+    ``vocab_layer_norm``, ``vocab_projector``) use config.json's activation; the RoBERTa
+    layout's ``lm_head`` uses exact GELU. SPLADE's sparse output reads these logits."""
 
     def __init__(self, cfg: BertConfig) -> None:
         super().__init__()
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.act = _ACTIVATIONS[cfg.hidden_act if cfg.family == "bert" else "gelu"]
+        self.act = _ACTIVATIONS[cfg.hidden_act if cfg.family != "roberta" else "gelu"]
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
@@ -321,6 +394,35 @@ class MaskedLMHead(nn.Module):
 
 
 # -- weights ---------------------------------------------------------------------------------
+
+
+# Layer n's checkpoint names per layout: (layer prefix, then our sublayer → theirs; the fused
+# QKV projection reads three).
+_LAYER_NAMES: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
+    "bert": (
+        "encoder.layer.{n}.",
+        {
+            "attention.qkv": tuple(f"attention.self.{p}" for p in ("query", "key", "value")),
+            "attention.out": ("attention.output.dense",),
+            "attention_norm": ("attention.output.LayerNorm",),
+            "mlp.up": ("intermediate.dense",),
+            "mlp.down": ("output.dense",),
+            "mlp_norm": ("output.LayerNorm",),
+        },
+    ),
+    "distilbert": (
+        "transformer.layer.{n}.",
+        {
+            "attention.qkv": tuple(f"attention.{p}_lin" for p in "qkv"),
+            "attention.out": ("attention.out_lin",),
+            "attention_norm": ("sa_layer_norm",),
+            "mlp.up": ("ffn.lin1",),
+            "mlp.down": ("ffn.lin2",),
+            "mlp_norm": ("output_layer_norm",),
+        },
+    ),
+}
+_LAYER_NAMES["roberta"] = _LAYER_NAMES["bert"]
 
 
 def expected_weights(cfg: BertConfig) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
@@ -336,28 +438,29 @@ def expected_weights(cfg: BertConfig) -> dict[str, tuple[tuple[str, ...], tuple[
             ("embeddings.position_embeddings.weight",),
             (cfg.max_position_embeddings, h),
         ),
-        "encoder.embeddings.token_type.weight": (
-            ("embeddings.token_type_embeddings.weight",),
-            (cfg.type_vocab_size, h),
-        ),
         "encoder.embeddings.norm.weight": (("embeddings.LayerNorm.weight",), (h,)),
         "encoder.embeddings.norm.bias": (("embeddings.LayerNorm.bias",), (h,)),
     }
+    if cfg.embeds_token_types:
+        m["encoder.embeddings.token_type.weight"] = (
+            ("embeddings.token_type_embeddings.weight",),
+            (cfg.type_vocab_size, h),
+        )
+    shapes = {
+        "attention.qkv": (3 * h, h),
+        "attention.out": (h, h),
+        "attention_norm": (h,),
+        "mlp.up": (i, h),
+        "mlp.down": (h, i),
+        "mlp_norm": (h,),
+    }
+    layer, names = _LAYER_NAMES[cfg.family]
     for n in range(cfg.num_layers):
-        src, dst = f"encoder.layer.{n}.", f"encoder.layers.{n}."
-        qkv = tuple(f"{src}attention.self.{p}" for p in ("query", "key", "value"))
-        m[dst + "attention.qkv.weight"] = (tuple(f"{q}.weight" for q in qkv), (3 * h, h))
-        m[dst + "attention.qkv.bias"] = (tuple(f"{q}.bias" for q in qkv), (3 * h,))
-        m[dst + "attention.out.weight"] = ((src + "attention.output.dense.weight",), (h, h))
-        m[dst + "attention.out.bias"] = ((src + "attention.output.dense.bias",), (h,))
-        m[dst + "attention_norm.weight"] = ((src + "attention.output.LayerNorm.weight",), (h,))
-        m[dst + "attention_norm.bias"] = ((src + "attention.output.LayerNorm.bias",), (h,))
-        m[dst + "mlp.up.weight"] = ((src + "intermediate.dense.weight",), (i, h))
-        m[dst + "mlp.up.bias"] = ((src + "intermediate.dense.bias",), (i,))
-        m[dst + "mlp.down.weight"] = ((src + "output.dense.weight",), (h, i))
-        m[dst + "mlp.down.bias"] = ((src + "output.dense.bias",), (h,))
-        m[dst + "mlp_norm.weight"] = ((src + "output.LayerNorm.weight",), (h,))
-        m[dst + "mlp_norm.bias"] = ((src + "output.LayerNorm.bias",), (h,))
+        src, dst = layer.format(n=n), f"encoder.layers.{n}."
+        for ours, theirs in names.items():
+            weight = shapes[ours]
+            m[f"{dst}{ours}.weight"] = (tuple(f"{src}{t}.weight" for t in theirs), weight)
+            m[f"{dst}{ours}.bias"] = (tuple(f"{src}{t}.bias" for t in theirs), weight[:1])
     return m
 
 
@@ -366,10 +469,11 @@ def _head_weights(
 ) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
     """Head parameters by their full checkpoint names (heads sit outside the encoder prefix)."""
     h, n = cfg.hidden_size, cfg.num_labels
-    if cfg.family == "bert":
-        dense, proj = (f"{prefix}pooler.dense", "classifier")
-    else:
-        dense, proj = ("classifier.dense", "classifier.out_proj")
+    dense, proj = {
+        "bert": (f"{prefix}pooler.dense", "classifier"),
+        "roberta": ("classifier.dense", "classifier.out_proj"),
+        "distilbert": ("pre_classifier", "classifier"),
+    }[cfg.family]
     return {
         "head.dense.weight": ((f"{dense}.weight",), (h, h)),
         "head.dense.bias": ((f"{dense}.bias",), (h,)),
@@ -382,14 +486,15 @@ def _mlm_weights(cfg: BertConfig) -> dict[str, tuple[tuple[str, ...], tuple[int,
     """Masked-LM head parameters by their full checkpoint names (the decoder weight is the
     word embeddings; a saved copy of it is checked to be that, see `load_weights`)."""
     h, v = cfg.hidden_size, cfg.vocab_size
-    if cfg.family == "bert":
-        dense, norm, bias = (
+    dense, norm, bias = {
+        "bert": (
             "cls.predictions.transform.dense",
             "cls.predictions.transform.LayerNorm",
             "cls.predictions.bias",
-        )
-    else:
-        dense, norm, bias = ("lm_head.dense", "lm_head.layer_norm", "lm_head.bias")
+        ),
+        "roberta": ("lm_head.dense", "lm_head.layer_norm", "lm_head.bias"),
+        "distilbert": ("vocab_transform", "vocab_layer_norm", "vocab_projector.bias"),
+    }[cfg.family]
     return {
         "mlm.dense.weight": ((f"{dense}.weight",), (h, h)),
         "mlm.dense.bias": ((f"{dense}.bias",), (h,)),
@@ -399,7 +504,11 @@ def _mlm_weights(cfg: BertConfig) -> dict[str, tuple[tuple[str, ...], tuple[int,
     }
 
 
-_MLM_DECODERS = {"bert": "cls.predictions.decoder", "xlm-roberta": "lm_head.decoder"}
+_MLM_DECODERS = {
+    "bert": "cls.predictions.decoder",
+    "roberta": "lm_head.decoder",
+    "distilbert": "vocab_projector",
+}
 
 
 def _with_legacy_norm_names(
@@ -515,12 +624,13 @@ class BertFamilyModel(FamilyModule):
 def position_ids(cfg: BertConfig, ids: np.ndarray, cu_seqlens: np.ndarray) -> np.ndarray:
     """[T] int64 absolute positions per row, as the reference models number them.
 
-    BERT: 0, 1, 2, ... XLM-R: padding_idx + 1, + 2, ... counting only non-padding tokens;
-    padding tokens themselves sit at padding_idx (fairseq's make_positions).
+    BERT, DistilBERT: 0, 1, 2, ... The RoBERTa layout: padding_idx + 1, + 2, ... counting
+    only non-padding tokens; padding tokens themselves sit at padding_idx (fairseq's
+    make_positions).
     """
     lengths = np.diff(cu_seqlens).astype(np.int64)
     starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)  # [T]
-    if cfg.family != "xlm-roberta":
+    if cfg.family != "roberta":
         return np.arange(ids.size, dtype=np.int64) - starts
     real = (ids != cfg.pad_token_id).astype(np.int64)  # [T]
     running = np.cumsum(real)  # [T]
