@@ -116,7 +116,8 @@ def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
         )
         max_tokens = positions - offset
     outputs: tuple[str, ...] = ("dense",)
-    dimensions = int(config.get("hidden_size") or config.get("dim") or 0)  # dim: DistilBERT
+    # DistilBERT calls the width dim, T5 d_model
+    dimensions = int(config.get("hidden_size") or config.get("dim") or config.get("d_model") or 0)
     if kind == EMBEDDING:  # a guess until a replica's Info confirms it
         modules = _read_json_any(directory / "modules.json")
         entries = [m for m in (modules if isinstance(modules, list) else []) if isinstance(m, dict)]

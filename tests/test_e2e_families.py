@@ -20,6 +20,9 @@ Tiny random-weight models of each family (no registry ships such weights), saved
   frame, mean pooling, Normalize), written by sentence-transformers, the reference for
   `/v1/embeddings`; a DistilBERT cross-encoder (ms-marco-distilbert's shape), whose
   `/v1/rerank` and TEI `/predict` scores equal `transformers`';
+* sentence-t5's shape (a T5 encoder with its relative position bias, ``</s>`` after each
+  text, mean pooling, a Dense projection, Normalize), written by sentence-transformers, the
+  reference for `/v1/embeddings`;
 * Qwen3-Embedding's shape (causal, last token, a task prompt; byte-level BPE) and
   Qwen3-Reranker's (a causal LM whose chat template frames instruction, query and
   document; score P("yes")), both written by sentence-transformers, which is the reference
@@ -175,6 +178,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     )
     _tokenizer(out["distilbert-rr"], specials=True)
     out["roberta-embed"] = _roberta_embedder(root)
+    out["t5-embed"] = _sentence_t5(root)
     out["qwen3-last"] = _qwen3_last_token_embedder(root)
     out["qwen3-rr"] = _qwen3_logit_score_reranker(root)
     out["gemma3-embed"] = _embeddinggemma(root)
@@ -252,6 +256,53 @@ def _roberta_embedder(root: Path) -> Path:
     st = SentenceTransformer(modules=[Transformer(str(base)), Pooling(64, "mean"), Normalize()])
     st.save_pretrained(str(root / "roberta-embed"))
     return root / "roberta-embed"
+
+
+def _sentence_t5(root: Path) -> Path:
+    """sentence-t5's shape: T5's encoder (relative position bias; ``</s>`` ends each text),
+    mean pooling, a Dense projection without bias (768 -> 768 in the real model), Normalize."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import (
+        Dense,
+        Normalize,
+        Pooling,
+        Transformer,
+    )
+
+    config = transformers.T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=96,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_max_distance=16,  # the 40-word text reaches the far buckets
+        feed_forward_proj="gated-gelu",
+        pad_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
+    base = _save(transformers.T5EncoderModel(config), root / "t5-base")
+    vocab = {**SPECIALS, **{w: i for i, w in enumerate(WORDS, start=4)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A [SEP]", pair="$A [SEP] $B [SEP]", special_tokens=[("[SEP]", 2)]
+    )
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]"
+    ).save_pretrained(base)
+    identity = torch.nn.Identity()
+    st = SentenceTransformer(
+        modules=[
+            Transformer(str(base)),
+            Pooling(64, "mean"),
+            Dense(64, 32, bias=False, activation_function=identity),
+            Normalize(),
+        ]
+    )
+    st.save_pretrained(str(root / "t5-embed"))
+    return root / "t5-embed"
 
 
 def _qwen3_config(**extra: Any) -> transformers.Qwen3Config:
@@ -543,6 +594,14 @@ def test_roberta_embedder_equals_sentence_transformers(base: str, dirs: dict[str
     assert tok.encode(PASSAGES[0]).ids[0] == 0 and tok.encode(PASSAGES[0]).ids[-1] == 2
     got = _embed(base, "roberta-embed", input=PASSAGES)
     want = _st_embed(path, PASSAGES)
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert float((got * want).sum(1).min()) >= 0.9999
+
+
+def test_sentence_t5_equals_sentence_transformers(base: str, dirs: dict[str, Path]) -> None:
+    got = _embed(base, "t5-embed", input=TEXTS)
+    want = _st_embed(dirs["t5-embed"], TEXTS)
+    assert got.shape == (len(TEXTS), 32)
     np.testing.assert_allclose(got, want, atol=1e-4)
     assert float((got * want).sum(1).min()) >= 0.9999
 

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rose.errors import EngineError
-from rose.models import bert, deberta, gemma3, modernbert, mpnet, qwen3
+from rose.models import bert, deberta, gemma3, modernbert, mpnet, qwen3, t5
 from rose.models.family import EncoderConfig, Family, FamilyOptions
 
 __all__ = ["FAMILIES", "EncoderConfig", "Family", "FamilyOptions", "family_for"]
@@ -55,6 +55,8 @@ FAMILIES: dict[str, Family] = {
     "deberta-v2": deberta.FAMILY,
     "modernbert": modernbert.FAMILY,
     "gemma3_text": gemma3.FAMILY,  # EmbeddingGemma
+    "t5": t5.FAMILY,  # sentence-t5, GTR (the encoder of a T5 checkpoint)
+    "mt5": t5.FAMILY,
 }
 
 

@@ -141,16 +141,19 @@ def _num_labels(raw: Mapping[str, Any]) -> int:
     return int(raw.get("num_labels", 2))
 
 
-def relative_buckets(rel: torch.Tensor) -> torch.Tensor:
-    """rel = query position - key position (any shape, int64) → bucket in 0..31, as
-    transformers' MPNetEncoder.relative_position_bucket: 16 buckets per sign, exact up to 8,
-    logarithmic up to 128."""
-    half = NUM_BUCKETS // 2
+def relative_buckets(
+    rel: torch.Tensor, num_buckets: int = NUM_BUCKETS, max_distance: int = MAX_DISTANCE
+) -> torch.Tensor:
+    """rel = query position - key position (any shape, int64) → bucket in 0..num_buckets-1,
+    as transformers' MPNetEncoder.relative_position_bucket and T5's bidirectional buckets:
+    num_buckets / 2 per sign (keys after the query in the upper half), exact up to
+    num_buckets / 4, logarithmic up to max_distance (defaults: MPNet's 32 and 128)."""
+    half = num_buckets // 2
     exact = half // 2
     sign = (rel < 0).long() * half
     n = rel.abs()
     # log of n / exact scaled onto the remaining buckets (n >= exact here; clamp avoids log 0)
-    scaled = torch.log(n.clamp(min=1).float() / exact) / math.log(MAX_DISTANCE / exact)
+    scaled = torch.log(n.clamp(min=1).float() / exact) / math.log(max_distance / exact)
     large = (exact + (scaled * (half - exact)).long()).clamp(max=half - 1)
     return sign + torch.where(n < exact, n, large)
 
