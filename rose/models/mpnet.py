@@ -228,14 +228,24 @@ class Layer(nn.Module):
 
 
 class RelativeBias(nn.Module):
-    """One learned scalar per (relative bucket, head), shared by all layers."""
+    """One learned scalar per (relative bucket, head), shared by all layers: a table of
+    `rows` buckets of which `relative_buckets(rel, num_buckets, max_distance)` reads the
+    first num_buckets (MPNet's table may be longer than its 32 buckets; T5's is exact)."""
 
-    def __init__(self, cfg: MPNetConfig) -> None:
+    def __init__(
+        self,
+        rows: int,
+        heads: int,
+        num_buckets: int = NUM_BUCKETS,
+        max_distance: int = MAX_DISTANCE,
+    ) -> None:
         super().__init__()
-        self.table = nn.Embedding(cfg.relative_buckets, cfg.num_heads)
+        self.table = nn.Embedding(rows, heads)
+        self.num_buckets, self.max_distance = num_buckets, max_distance
 
     def forward(self, block: Block) -> torch.Tensor:
-        return self.table(relative_buckets(block.rel)).permute(2, 0, 1)  # [heads, L, L]
+        buckets = relative_buckets(block.rel, self.num_buckets, self.max_distance)  # [L, L]
+        return self.table(buckets).permute(2, 0, 1)  # [heads, L, L]
 
 
 class MPNetEncoder(nn.Module):
@@ -245,7 +255,7 @@ class MPNetEncoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embeddings = Embeddings(cfg)
-        self.relative_bias = RelativeBias(cfg)
+        self.relative_bias = RelativeBias(cfg.relative_buckets, cfg.num_heads)
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
 
     def forward(

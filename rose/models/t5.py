@@ -30,9 +30,9 @@ from rose.errors import EngineError
 from rose.models.activations import ACTIVATIONS
 from rose.models.family import EncoderDefaults, Family, FamilyModule, FamilyOptions
 from rose.models.family import row_positions as position_ids
-from rose.models.mpnet import relative_buckets
+from rose.models.mpnet import RelativeBias
 from rose.models.qwen3 import RMSNorm
-from rose.models.rows import Block, RowLayout, attend, log_sdpa_fallback, require_bidirectional
+from rose.models.rows import RowLayout, attend, log_sdpa_fallback, require_bidirectional
 from rose.models.weights import Spec, take
 
 __all__ = [
@@ -203,21 +203,6 @@ class Layer(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class RelativeBias(nn.Module):
-    """One learned scalar per (relative bucket, head), shared by all layers."""
-
-    def __init__(self, cfg: T5Config) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.table = nn.Embedding(cfg.relative_buckets, cfg.num_heads)
-
-    def forward(self, block: Block) -> torch.Tensor:
-        buckets = relative_buckets(
-            block.rel, self.cfg.relative_buckets, self.cfg.relative_max_distance
-        )  # [L, L]
-        return self.table(buckets).permute(2, 0, 1)  # [heads, L, L]
-
-
 class T5Encoder(nn.Module):
     """Embeddings, layers and the final norm: ragged ids [T] → hidden states [T, H]."""
 
@@ -225,7 +210,10 @@ class T5Encoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.relative_bias = RelativeBias(cfg)
+        buckets = cfg.relative_buckets
+        self.relative_bias = RelativeBias(
+            buckets, cfg.num_heads, buckets, cfg.relative_max_distance
+        )
         self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.layer_norm_eps)
 
