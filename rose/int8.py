@@ -9,7 +9,9 @@ Activations are quantized to uint8 at run time by PyTorch's dynamic quantized li
 dot products, quantization and dequantization fused into the product), one scale and zero
 point per call over its input. Inside `Engine` passes each sequence of the ragged batch is
 its own call (`per_sequence`): a text's int8 vector does not change with the texts it is
-batched with, and a short query is not quantized on a long passage's range. (One call over
+batched with, and a short query is not quantized on a long passage's range. (Where the float
+layers run in bf16 on AMX, the bf16 kernel's own summation order still follows the row count,
+moving a row's last bits with its batch: cosine 0.99993 on e5-small, as in any bf16 GEMM.) (One call over
 the whole batch, as ONNX Runtime's and PyTorch's dynamic quantization do, gave a query
 batched with long passages cosine 0.99955 to the same query alone, and a retrieval top-10
 overlap of 0.940 against 0.953; quantizing every token on its own through ``torch._int_mm``
