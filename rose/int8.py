@@ -5,8 +5,9 @@ int8 scheme: the encoder's attention projections that keep or widen their width 
 fused QKV and the attention output; Qwen3: q and o, its grouped-query k / v being narrower)
 hold int8 weights with one symmetric scale per output channel (``scale = max|w_row| / 127``).
 Activations are quantized to uint8 at run time by PyTorch's dynamic quantized linear
-(``torch.ops.quantized.linear_dynamic``: FBGEMM or oneDNN under the ``x86`` engine, VNNI int8
-dot products, quantization and dequantization fused into the product), one scale and zero
+(``torch.ops.quantized.linear_dynamic``: FBGEMM's VNNI kernel or oneDNN's, AMX int8 tiles where
+the CPU has them, whichever this CPU runs faster (`_engine`), quantization and dequantization
+fused into the product), one scale and zero
 point per call over its input. Inside `Engine` passes each sequence of the ragged batch is
 its own call (`per_sequence`): a text's int8 vector does not change with the texts it is
 batched with, and a short query is not quantized on a long passage's range. (Where the float
@@ -61,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -154,17 +156,39 @@ def int8_available() -> bool:
     return hasattr(torch.ops.quantized, "linear_dynamic") and bool(_engine())
 
 
+@functools.cache
 def _engine() -> str:
+    """The quantized engine whose dynamic int8 linear runs fastest on this CPU ("" for
+    none): FBGEMM (under ``x86``) or oneDNN, measured once per process like
+    `rose.packed.bf16_speedup`. oneDNN uses AMX's int8 tiles where the CPU has them (Intel
+    Sapphire Rapids and later: 1,206 against FBGEMM's 474 GFLOP/s on 512 x 384 -> 1,152,
+    one thread); elsewhere FBGEMM's VNNI kernel has been the one to beat."""
     engines = torch.backends.quantized.supported_engines
-    return next((e for e in ("x86", "fbgemm", "onednn") if e in engines), "")
+    fbgemm = next((e for e in ("x86", "fbgemm") if e in engines), "")
+    if "onednn" not in engines or not fbgemm:
+        return fbgemm or ("onednn" if "onednn" in engines else "")
+    from rose.packed import PROBE_SHAPE, fastest
+
+    rows, n_in, n_out = PROBE_SHAPE
+    probe = torch.Generator().manual_seed(0)
+    weight = torch.randn(n_out, n_in, generator=probe)
+    x = torch.randn(rows, n_in, generator=probe)
+    runs = {}
+    for engine in (fbgemm, "onednn"):
+        with _quantized_engine(engine):
+            packed = torch.ops.quantized.linear_prepack(_per_channel(weight), None)
+        torch.ops.quantized.linear_dynamic(x, packed, False)  # first call builds the kernel
+        runs[engine] = functools.partial(torch.ops.quantized.linear_dynamic, x, packed, False)
+    best = fastest(runs, repeats=5)
+    return min(best, key=best.__getitem__)
 
 
 @contextlib.contextmanager
-def _quantized_engine() -> Iterator[None]:
-    """Prepack under the x86 engine (packed weights remember their kernel), then restore
-    the process's setting."""
+def _quantized_engine(engine: str | None = None) -> Iterator[None]:
+    """Prepack under `engine` (default: `_engine`'s choice; packed weights remember their
+    kernel), then restore the process's setting."""
     before = torch.backends.quantized.engine
-    torch.backends.quantized.engine = _engine()
+    torch.backends.quantized.engine = engine or _engine()
     try:
         with warnings.catch_warnings():
             # quantize_per_channel's qint8 tensors are deprecated as a user-facing type;
@@ -199,14 +223,7 @@ class Int8Linear(nn.Module):
         scales = weight_scales(weight)  # [out]
         bias = None if linear.bias is None else linear.bias.detach().float()
         with _quantized_engine():
-            q = torch.quantize_per_channel(
-                weight,
-                scales.double(),
-                torch.zeros(self.out_features, dtype=torch.long),
-                0,
-                torch.qint8,
-            )
-            self._packed = torch.ops.quantized.linear_prepack(q, bias)
+            self._packed = torch.ops.quantized.linear_prepack(_per_channel(weight, scales), bias)
         self.scales = scales
         self.bias = bias
         self.reduce_range = not getattr(torch.cpu, "_is_vnni_supported", lambda: False)()
@@ -300,6 +317,14 @@ def calibrate(module: nn.Module, run: Callable[[], object]) -> dict[nn.Module, t
 def weight_scales(weight: torch.Tensor) -> torch.Tensor:
     """Symmetric per-output-channel scales ``max|w_row| / 127`` ([out] fp32)."""
     return (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
+
+
+def _per_channel(weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight` ``[out, in]`` as a qint8 tensor, symmetric per output channel (`scales`,
+    default `weight_scales`), for ``linear_prepack``. Call it under `_quantized_engine`."""
+    scales = weight_scales(weight) if scales is None else scales
+    zero = torch.zeros(weight.shape[0], dtype=torch.long)
+    return torch.quantize_per_channel(weight, scales.double(), zero, 0, torch.qint8)
 
 
 def float_layer_dtype() -> torch.dtype:

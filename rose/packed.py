@@ -44,8 +44,10 @@ from torch import nn
 __all__ = [
     "ACTIVATIONS",
     "PackedLinear",
+    "PROBE_SHAPE",
     "bf16_speedup",
     "can_pack",
+    "fastest",
     "few_row_costs",
     "pack_linears",
     "tune_few_rows",
@@ -257,7 +259,7 @@ def few_row_costs(layers: list[PackedLinear], pad_to: int) -> dict[str, float]:
     with torch.inference_mode():
         for todo, run in sweeps.values():  # first calls: oneDNN builds its kernels
             run(todo[0])
-        return _fastest(
+        return fastest(
             {key: functools.partial(_sweep, todo, run) for key, (todo, run) in sweeps.items()},
             _ROW_PROBE_REPEATS,
         )
@@ -297,7 +299,7 @@ def tune_few_rows(layers: list[PackedLinear], pad_to: int) -> int:
 
 
 # The product `bf16_speedup` times: an encoder MLP's shape at a pass's row count.
-_PROBE_SHAPE = (512, 1024, 1024)  # rows, in, out
+PROBE_SHAPE = (512, 1024, 1024)  # rows, in, out
 _PROBE_REPEATS = 5
 
 
@@ -309,7 +311,7 @@ def bf16_speedup() -> float:
     Measured once per process (30-90 ms, packing included): the fastest of `_PROBE_REPEATS`
     interleaved runs of each on a [512, 1024] x [1024, 1024] product. A loaded machine slows both alike; the CPUs
     this decides between sit far from 1 on either side (module docstring)."""
-    rows, n_in, n_out = _PROBE_SHAPE
+    rows, n_in, n_out = PROBE_SHAPE
     probe = torch.Generator().manual_seed(0)
     weight = torch.randn(n_out, n_in, generator=probe)
     x = torch.randn(rows, n_in, generator=probe)
@@ -323,14 +325,14 @@ def bf16_speedup() -> float:
     with torch.inference_mode():
         for layer, inputs in layers.values():
             layer(inputs)  # first call: oneDNN builds its kernel
-        best = _fastest(
+        best = fastest(
             {dtype: functools.partial(layer, inputs) for dtype, (layer, inputs) in layers.items()},
             _PROBE_REPEATS,
         )
     return best[torch.float32] / best[torch.bfloat16]
 
 
-def _fastest(runs: dict[K, Callable[[], object]], repeats: int) -> dict[K, float]:
+def fastest(runs: dict[K, Callable[[], object]], repeats: int) -> dict[K, float]:
     """The fastest of `repeats` timed calls of each of `runs`, interleaved (each round
     calls every run once), so that a change in machine load hits all of them alike."""
     best = dict.fromkeys(runs, float("inf"))
