@@ -23,6 +23,9 @@ Tiny random-weight models of each family (no registry ships such weights), saved
 * sentence-t5's shape (a T5 encoder with its relative position bias, ``</s>`` after each
   text, mean pooling, a Dense projection, Normalize), written by sentence-transformers, the
   reference for `/v1/embeddings`;
+* gte-Qwen2's shape (a ``Qwen2ForCausalLM``-named checkpoint with q/k/v biases, causal,
+  last token, a task prompt), written by sentence-transformers, the reference for
+  `/v1/embeddings`;
 * Qwen3-Embedding's shape (causal, last token, a task prompt; byte-level BPE) and
   Qwen3-Reranker's (a causal LM whose chat template frames instruction, query and
   document; score P("yes")), both written by sentence-transformers, which is the reference
@@ -180,6 +183,7 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out["roberta-embed"] = _roberta_embedder(root)
     out["t5-embed"] = _sentence_t5(root)
     out["qwen3-last"] = _qwen3_last_token_embedder(root)
+    out["gte-qwen2"] = _gte_qwen2(root)
     out["qwen3-rr"] = _qwen3_logit_score_reranker(root)
     out["gemma3-embed"] = _embeddinggemma(root)
     return out
@@ -331,6 +335,38 @@ def _qwen3_last_token_embedder(root: Path) -> Path:
     )
     st.save_pretrained(str(root / "qwen3-last"))
     return root / "qwen3-last"
+
+
+def _gte_qwen2(root: Path) -> Path:
+    """gte-Qwen2-instruct's shape: Qwen2 base weights (q/k/v biases) under the
+    ``Qwen2ForCausalLM`` name in config.json, causal, last-token pooling,
+    normalized, a task prompt. The name alone would make it a chat model; its
+    modules.json makes it an embedder."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
+
+    config = transformers.Qwen2Config(
+        vocab_size=49_152,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    base = _bpe_base(root / "gte-qwen2-base", transformers.Qwen2Model(config))
+    st = SentenceTransformer(
+        modules=[Transformer(str(base)), Pooling(64, "lasttoken"), Normalize()],
+        prompts={"query": QWEN3_TASK_PROMPT, "document": ""},
+    )
+    st.save_pretrained(str(root / "gte-qwen2"))
+    # sentence-transformers saves the base model it loaded (Qwen2Model's weights and name);
+    # gte-Qwen2's config.json names the causal LM over those same weights.
+    config_path = root / "gte-qwen2" / "config.json"
+    raw = json.loads(config_path.read_text())
+    assert raw["architectures"] == ["Qwen2Model"], raw["architectures"]
+    config_path.write_text(json.dumps({**raw, "architectures": ["Qwen2ForCausalLM"]}))
+    return root / "gte-qwen2"
 
 
 def _qwen3_logit_score_reranker(root: Path) -> Path:
@@ -586,6 +622,14 @@ def test_qwen3_last_token_embedder_equals_sentence_transformers(
     want = _st_embed(path, [QUESTION], prompt_name="query")
     np.testing.assert_allclose(queries, want, atol=1e-4)
     assert float((queries * want).sum()) >= 0.9999
+
+
+def test_gte_qwen2_embedder_equals_sentence_transformers(base: str, dirs: dict[str, Path]) -> None:
+    path = dirs["gte-qwen2"]
+    documents = _embed(base, "gte-qwen2", input=PASSAGES)
+    np.testing.assert_allclose(documents, _st_embed(path, PASSAGES), atol=1e-4)
+    queries = _embed(base, "gte-qwen2", input=[QUESTION], input_type="query")
+    np.testing.assert_allclose(queries, _st_embed(path, [QUESTION], prompt_name="query"), atol=1e-4)
 
 
 def test_roberta_embedder_equals_sentence_transformers(base: str, dirs: dict[str, Path]) -> None:

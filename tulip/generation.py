@@ -79,8 +79,8 @@ def is_generator(model_dir: Path, runner: str = "auto") -> bool:
 
     ``runner`` (``--runner``) "generate" or "pooling" decides. "auto" reads the directory:
     a generator has a decoder ``model_type`` (`GENERATOR_MODEL_TYPES`), declares its causal
-    LM in ``architectures`` (llama and qwen2, which no encoder family reads, may declare
-    nothing), and has no sentence-transformers ``modules.json``. The same
+    LM in ``architectures`` (llama and qwen2 ones may declare nothing), and has no
+    sentence-transformers ``modules.json``. The same
     ``Qwen3ForCausalLM`` name is shipped by Qwen3-Embedding (modules.json with a Pooling
     module) and Qwen3-Reranker (modules.json ending in a LogitScore module,
     `rose.loading.read_logit_score`): both stay encoders, as do ``Qwen3Model`` and

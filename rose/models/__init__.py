@@ -51,6 +51,9 @@ FAMILIES: dict[str, Family] = {
     "distilbert": bert.FAMILY,
     "qwen3": qwen3.FAMILY,
     "bidirectional_pplx_qwen3": qwen3.FAMILY,  # pplx-embed
+    "qwen2": qwen3.FAMILY,  # gte-Qwen2 (Qwen2 generators load in rose.models.llama)
+    "llama": qwen3.FAMILY,
+    "mistral": qwen3.FAMILY,  # e5-mistral
     "mpnet": mpnet.FAMILY,
     "deberta-v2": deberta.FAMILY,
     "modernbert": modernbert.FAMILY,

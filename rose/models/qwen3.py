@@ -1,5 +1,11 @@
-"""Qwen3 as an encoder on ragged batches: embedders (Qwen3-Embedding, pplx-embed) and
-sequence-classification rerankers.
+"""Qwen3 and its Llama lineage as encoders on ragged batches: embedders (Qwen3-Embedding,
+pplx-embed; gte-Qwen2 and stella on Qwen2; e5-mistral and SFR-Embedding on Mistral; Llama
+ones) and sequence-classification rerankers.
+
+The lineage shares one layer; `LAYOUTS` names what each model_type changes: Qwen3's q/k
+RMSNorm, Qwen2's q/k/v bias, Llama's ``attention_bias`` on all four projections, the head
+width's default, and Mistral's sliding window (the encoder attends over whole rows, so
+inputs are capped at the window, inside which that is exact).
 
 The decoder stack of Qwen3 (pre-norm; RMSNorm; per-head RMSNorm of queries and keys before
 RoPE; grouped-query attention; SwiGLU MLP; a final RMSNorm) run over the engine's ragged
@@ -47,26 +53,60 @@ from rose.models.family import Family, FamilyModule, FamilyOptions
 from rose.models.family import row_positions as position_ids
 
 __all__ = [
-    "ARCHITECTURES",
     "FAMILY",
+    "LAYOUTS",
+    "Layout",
     "Qwen3Config",
     "Qwen3Encoder",
     "Qwen3FamilyModel",
+    "architectures",
     "engine_config",
     "expected_weights",
     "load_weights",
     "position_ids",
 ]
 
-# architecture in config.json → has a classification head (scored at the last token)
-ARCHITECTURES: dict[str, bool] = {
-    "Qwen3Model": False,
-    # Qwen3-Embedding ships this name with Qwen3Model weights (generators, under the same
-    # name, load in rose.models.llama)
-    "Qwen3ForCausalLM": False,
-    "PPLXQwen3Model": False,  # pplx-embed
-    "Qwen3ForSequenceClassification": True,
+
+@dataclass(frozen=True)
+class Layout:
+    """How a model_type's layers differ from Llama's.
+
+    stem: its architectures' prefix (``{stem}Model``, ``{stem}ForCausalLM``,
+        ``{stem}ForSequenceClassification``).
+    qk_norm: per-head RMSNorm of queries and keys before RoPE (Qwen3).
+    qkv_bias: q/k/v projections always carry a bias (Qwen2); else config.json's
+        ``attention_bias`` gives all four projections one (Llama) or none.
+    head_dim: the head width when config.json has no ``head_dim`` (None: hidden / heads).
+    """
+
+    stem: str
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    head_dim: int | None = None
+
+
+# config.json model_type → layout, for the Llama lineage this family serves as encoders.
+LAYOUTS: dict[str, Layout] = {
+    "qwen3": Layout("Qwen3", qk_norm=True, head_dim=128),  # transformers' Qwen3 default
+    "bidirectional_pplx_qwen3": Layout("Qwen3", qk_norm=True, head_dim=128),  # pplx-embed
+    "qwen2": Layout("Qwen2", qkv_bias=True),  # gte-Qwen2, stella
+    "llama": Layout("Llama"),
+    "mistral": Layout("Mistral"),  # e5-mistral, SFR-Embedding-Mistral
 }
+
+
+def architectures(model_type: str) -> dict[str, bool]:
+    """The architectures a model_type's config.json may name → has a classification head
+    (scored at the last token). ``*ForCausalLM`` is an embedder (Qwen3-Embedding,
+    e5-mistral ship that name with base-model weights) or a LogitScore reranker; generators
+    under the same name load in rose.models.llama (`tulip.generation.is_generator`)."""
+    stem = LAYOUTS[model_type].stem
+    found = {f"{stem}Model": False, f"{stem}ForCausalLM": False}
+    found[f"{stem}ForSequenceClassification"] = True
+    if model_type == "bidirectional_pplx_qwen3":
+        found["PPLXQwen3Model"] = False
+    return found
+
 
 # Weight-name prefixes a checkpoint may put before the decoder stack's own names.
 _PREFIXES = ("", "model.")
@@ -86,8 +126,11 @@ class Qwen3Config:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
-    attention_bias: bool
+    attention_bias: bool  # all four projections (Llama's attention_bias)
     causal: bool
+    qk_norm: bool = True  # Qwen3's per-head q/k RMSNorm
+    qkv_bias: bool = False  # q/k/v only (Qwen2)
+    sliding_window: int | None = None  # Mistral: attention span; inputs are capped at it
     classifier: bool = False
     num_labels: int = 0
     pad_token_id: int = 0
@@ -101,7 +144,11 @@ class Qwen3Config:
 
     @property
     def max_input_tokens(self) -> int:
-        return self.max_position_embeddings
+        """Up to a sliding window, every token sees every other (within its row), so the
+        encoder is exact there; beyond it the model would need the window's mask."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @property
     def default_pooling(self) -> str:
@@ -112,15 +159,21 @@ class Qwen3Config:
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any], options: FamilyOptions | None = None) -> Qwen3Config:
         options = options or FamilyOptions()
+        model_type = str(raw.get("model_type", "qwen3"))
+        if model_type not in LAYOUTS:
+            raise EngineError(
+                f"config.json: model_type {model_type!r} is not one of {', '.join(LAYOUTS)}"
+            )
+        layout, known = LAYOUTS[model_type], architectures(model_type)
         archs = raw.get("architectures") or []
         if len(archs) > 1:
             raise EngineError(f"config.json lists several architectures {archs}; expected one")
-        if archs and archs[0] not in ARCHITECTURES:
+        if archs and archs[0] not in known:
             raise EngineError(
                 f"config.json: unsupported architecture {archs[0]!r} for model_type "
-                f"{raw.get('model_type')!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
+                f"{model_type!r}; supported: {', '.join(sorted(known))}"
             )
-        classifier = bool(archs) and ARCHITECTURES[archs[0]]
+        classifier = bool(archs) and known[archs[0]]
         score = options.score_tokens
         if score is not None and classifier:
             raise EngineError(
@@ -129,8 +182,12 @@ class Qwen3Config:
         act = raw.get("hidden_act", "silu")
         if act != "silu":
             raise EngineError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
-        if raw.get("use_sliding_window"):
+        if raw.get("use_sliding_window"):  # Qwen2 / Qwen3: off unless this says so
             raise EngineError("config.json: use_sliding_window=true is not supported")
+        if raw.get("mlp_bias"):
+            raise EngineError("config.json: mlp_bias=true is not supported")
+        # Mistral's window applies whenever set; the Qwens' only with use_sliding_window.
+        window = raw.get("sliding_window") if model_type == "mistral" else None
         layer_types = raw.get("layer_types") or []
         if any(t != "full_attention" for t in layer_types):
             raise EngineError(
@@ -154,12 +211,17 @@ class Qwen3Config:
                 num_layers=int(raw["num_hidden_layers"]),
                 num_heads=heads,
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or 128),  # transformers' Qwen3 default
+                head_dim=int(
+                    raw.get("head_dim") or layout.head_dim or int(raw["hidden_size"]) // heads
+                ),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
                 attention_bias=bool(raw.get("attention_bias", False)),
                 causal=causal,
+                qk_norm=layout.qk_norm,
+                qkv_bias=layout.qkv_bias,
+                sliding_window=None if window is None else int(window),
                 classifier=classifier or score is not None,
                 num_labels=1 if score is not None else _num_labels(raw) if classifier else 0,
                 pad_token_id=int(raw.get("pad_token_id") or 0),
@@ -245,12 +307,14 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = d = cfg.head_dim
         h, bias = cfg.hidden_size, cfg.attention_bias
-        self.wq = nn.Linear(h, cfg.num_heads * d, bias=bias)
-        self.wk = nn.Linear(h, cfg.num_kv_heads * d, bias=bias)
-        self.wv = nn.Linear(h, cfg.num_kv_heads * d, bias=bias)
+        qkv_bias = bias or cfg.qkv_bias
+        self.wq = nn.Linear(h, cfg.num_heads * d, bias=qkv_bias)
+        self.wk = nn.Linear(h, cfg.num_kv_heads * d, bias=qkv_bias)
+        self.wv = nn.Linear(h, cfg.num_kv_heads * d, bias=qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * d, h, bias=bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # Qwen3 only; the other layouts' q and k enter RoPE as projected.
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(
         self,
@@ -395,10 +459,11 @@ def expected_weights(cfg: Qwen3Config) -> dict[str, tuple[str, tuple[int, ...]]]
             ("o_proj", "wo", (h, q)),
         ):
             m[f"{dst}attention.{ours}.weight"] = (f"{src}self_attn.{hf}.weight", shape)
-            if cfg.attention_bias:
+            if cfg.attention_bias or (cfg.qkv_bias and hf != "o_proj"):
                 m[f"{dst}attention.{ours}.bias"] = (f"{src}self_attn.{hf}.bias", (shape[0],))
-        m[dst + "attention.q_norm.weight"] = (src + "self_attn.q_norm.weight", (d,))
-        m[dst + "attention.k_norm.weight"] = (src + "self_attn.k_norm.weight", (d,))
+        if cfg.qk_norm:
+            m[dst + "attention.q_norm.weight"] = (src + "self_attn.q_norm.weight", (d,))
+            m[dst + "attention.k_norm.weight"] = (src + "self_attn.k_norm.weight", (d,))
         for hf, ours, shape in (
             ("gate_proj", "w_gate", (i, h)),
             ("up_proj", "w_up", (i, h)),
