@@ -206,6 +206,7 @@ KEPT = (
     "## int8 activation scales",
     "## CPU passes in groups of rows",
     "## Intel Xeon without AMX",
+    "## Intel Xeon with AMX",
     "## Zen 5 against Zen 4",
 )
 
@@ -324,8 +325,9 @@ def _padded(rows: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _systems(
     path: Path, threads: int, tokenizer
-) -> tuple[dict[str, Callable[[list[list[int]]], np.ndarray]], str]:  # type: ignore[no-untyped-def]
-    """name → encode(rows of ids) → [B, D] embeddings, for ROSE's modes and the peers."""
+) -> tuple[dict[str, Callable[[list[list[int]]], np.ndarray]], str, dict[str, str]]:  # type: ignore[no-untyped-def]
+    """name → encode(rows of ids) → [B, D] embeddings, for ROSE's modes and the peers; the
+    library versions; each ROSE mode's attention backend as its engine chose it."""
     import onnxruntime
     import torch
     from sentence_transformers import SentenceTransformer
@@ -333,8 +335,10 @@ def _systems(
     from rose import Engine, EngineConfig, RaggedBatch
 
     systems: dict[str, Callable[[list[list[int]]], np.ndarray]] = {}
+    attention: dict[str, str] = {}
     for name, overrides in ROSE_MODES:
         engine = Engine.load(path, EngineConfig(device="cpu", **overrides))
+        attention[name] = engine.attention.describe()
 
         def rose(rows: list[list[int]], engine: Engine = engine) -> np.ndarray:
             return engine.step(RaggedBatch.from_lists(rows)).numpy()
@@ -366,7 +370,7 @@ def _systems(
             return session.run(None, {"input_ids": ids, "attention_mask": mask})[0]
 
         systems[name] = ort
-    return systems, versions
+    return systems, versions, attention
 
 
 @dataclass(frozen=True)
@@ -381,6 +385,7 @@ class Precision:
     queries: int
     rounds: int
     versions: str
+    attention: dict[str, str]  # ROSE mode → its attention backend (`describe()`)
 
 
 def _precision(path: Path, tokenizer, threads: int, quick: bool, rounds: int) -> Precision:  # type: ignore[no-untyped-def]
@@ -389,7 +394,7 @@ def _precision(path: Path, tokenizer, threads: int, quick: bool, rounds: int) ->
     shapes = QUICK_SHAPES if quick else SHAPES
     passages_n, queries_n = (100, 20) if quick else (1000, 100)
     texts = _real_texts(passages_n, seed=25)
-    systems, versions = _systems(path, threads, tokenizer)
+    systems, versions, attention = _systems(path, threads, tokenizer)
 
     tps: dict[str, dict[tuple[int, int], float]] = {name: {} for name in systems}
     for length, batch in shapes:
@@ -436,7 +441,9 @@ def _precision(path: Path, tokenizer, threads: int, quick: bool, rounds: int) ->
         )
         for name, v in out.items()
     }
-    return Precision(shapes, tps, cosines, overlap, passages_n, queries_n, rounds, versions)
+    return Precision(
+        shapes, tps, cosines, overlap, passages_n, queries_n, rounds, versions, attention
+    )
 
 
 def _float_layers() -> str:
@@ -460,9 +467,12 @@ def _precision_lines(p: Precision) -> tuple[list[str], bool]:
         "Token ids given to every system (no tokenization in the timings); rows of exactly "
         "that many tokens cut from a stream of real corpus lines, so no padding anywhere; "
         f"{p.rounds} interleaved rounds, median; tokens/s.",
-        "ROSE modes attend through the CPU default, ONNX Runtime's attention kernel in fp32 "
-        "(bf16 operands widened; `rose.attention.onnxrt`), except 'ROSE fp32, SDPA attention' "
-        "(PyTorch's CPU flash kernel, the engine's attention before it). "
+        "ROSE modes attend through the CPU default (`rose.attention.select_backend`): ONNX "
+        "Runtime's kernel in fp32 (`rose.attention.onnxrt`), or PyTorch's in bf16 for bf16 "
+        "where that is decisively faster (AMX); 'ROSE fp32, SDPA attention' asks for "
+        "PyTorch's CPU flash kernel (the engine's attention before it). Here: "
+        + "; ".join(f"{name}: {how}" for name, how in p.attention.items())
+        + ". "
         "ROSE bf16: weights and activations in bf16 (oneDNN packed linears). "
         "ROSE int8: `rose.int8` (QKV and attention output projections int8 per output "
         "channel with dynamic activations, one scale per sequence, SmoothQuant-smoothed with a "

@@ -10,6 +10,7 @@ whose step at |x| ~ 1-4 is 8e-3 to 3e-2; observed ~3e-3).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -113,8 +114,41 @@ def test_the_cpu_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert select_backend("sdpa", "auto", *args).backend.name == "sdpa"
     asked = select_backend("onnxruntime", "auto", *args)
     assert (asked.backend.name, asked.reason) == ("onnxruntime", "requested")
+    asked = select_backend("onnxruntime", "auto", CPU, torch.bfloat16, HEADS, HEAD_DIM)
+    assert (asked.backend.name, asked.reason) == ("onnxruntime", "requested")
     with pytest.raises(ValueError, match="bidirectionally"):
         OnnxRuntimeBackend(None, HEADS, HEAD_DIM, 1, SdpaBackend(causal=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_reduced_precision_engine_takes_sdpa_only_when_decisively_faster(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """bf16 / fp16 engines: ONNX Runtime's fp32 kernel against SDPA in the engine's dtype,
+    timed on those operands; SDPA only below `REDUCED_SDPA_BELOW` (AMX CPUs: ~0.5)."""
+    import rose.attention as attention
+
+    timed: list[torch.dtype] = []
+
+    def speedup(backend, heads, head_dim, dt=torch.float32, *, x: float) -> float:
+        timed.append(dt)
+        return x
+
+    args = (CPU, dtype, HEADS, HEAD_DIM)
+    name = str(dtype).removeprefix("torch.")
+    for x, want in ((0.47, "sdpa"), (0.8, "onnxruntime"), (1.9, "onnxruntime")):
+        monkeypatch.setattr(attention, "kernel_speedup", functools.partial(speedup, x=x))
+        choice = select_backend(None, "auto", *args)
+        assert choice.backend.name == want, (x, choice.reason)
+        if want == "sdpa":
+            assert not choice.backend.causal
+            assert choice.reason == (
+                f"CPU, {name}: PyTorch's kernel in {name}, {1 / x:.2f}x ONNX Runtime's fp32 one"
+            )
+    assert timed == [dtype] * 3
+    monkeypatch.undo()
+    measured = attention.kernel_speedup(_backend(), HEADS, HEAD_DIM, dtype)
+    assert 0.0 < measured < float("inf")
 
 
 def test_a_kernel_that_disagrees_with_sdpa_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "AttentionChoice",
     "AttentionInputs",
     "FlashInferBackend",
+    "REDUCED_SDPA_BELOW",
     "OnnxRuntimeBackend",
     "SdpaBackend",
     "choose_sdpa_strategy",
@@ -47,6 +48,14 @@ class AttentionChoice:
     reason: str
 
 
+# A bf16 / fp16 CPU engine attends through PyTorch's kernel in its own dtype when ONNX
+# Runtime's fp32 kernel runs under this fraction of its speed: on CPUs with AMX, SDPA in bf16
+# is ~2x the fp32 kernels (0.47 here: 2.1 against 4.5 ms for a 512-token row, 12 heads x
+# 32); where bf16 is no faster than fp32 (AMD Zen, AVX-512 bf16 only) the fp32 kernel stays,
+# and the margin keeps CPUs near parity from flipping between loads.
+REDUCED_SDPA_BELOW = 0.75
+
+
 def select_backend(
     requested: str | None,
     sdpa_strategy: str,
@@ -62,8 +71,9 @@ def select_backend(
     On the CPU, bidirectional passes go to ONNX Runtime's attention kernel
     (`OnnxRuntimeBackend`, about twice PyTorch's CPU flash kernel on AMD Zen 5) when
     `requested` is None or "onnxruntime", provided it imports and passes the probe (the
-    log line reports its speed against SDPA on this CPU, `kernel_speedup`); causal ones go
-    to SDPA.
+    log line reports its speed against SDPA on this CPU, `kernel_speedup`), except bf16 /
+    fp16 engines on CPUs whose SDPA in that dtype is decisively faster (`REDUCED_SDPA_BELOW`:
+    AMX); causal ones go to SDPA.
     FlashInfer is tried on CUDA in fp16/bf16 for the head dims its kernels take
     (`FLASHINFER_HEAD_DIMS`, checked before anything is imported or compiled) when
     `requested` is None or "flashinfer"; it must import and pass a small probe against SDPA,
@@ -141,9 +151,19 @@ def _cpu(
         )
     if not timed:
         return AttentionChoice(backend, "requested")
-    # The choice does not depend on the timing (a model's backend must not flip between
-    # loads); the log line reports it, so a CPU where the kernel loses shows it.
-    speedup = kernel_speedup(backend, num_heads, head_dim)
+    if dtype != torch.float32:
+        speedup = kernel_speedup(backend, num_heads, head_dim, dtype)
+        if speedup < REDUCED_SDPA_BELOW:
+            name = str(dtype).removeprefix("torch.")
+            return AttentionChoice(
+                sdpa,
+                f"CPU, {name}: PyTorch's kernel in {name}, {1 / speedup:.2f}x ONNX Runtime's "
+                "fp32 one",
+            )
+    else:
+        # An fp32 choice does not depend on the timing (a model's backend must not flip
+        # between loads); the log line reports it, so a CPU where the kernel loses shows it.
+        speedup = kernel_speedup(backend, num_heads, head_dim)
     return AttentionChoice(backend, f"CPU, ONNX Runtime MultiHeadAttention, {speedup:.2f}x SDPA")
 
 

@@ -155,15 +155,20 @@ class OnnxRuntimeBackend(AttentionBackend):
         return f"onnxruntime MultiHeadAttention, {self._fallback.describe()} for tiny rows"
 
 
-def kernel_speedup(backend: OnnxRuntimeBackend, num_heads: int, head_dim: int) -> float:
+def kernel_speedup(
+    backend: OnnxRuntimeBackend, num_heads: int, head_dim: int, dtype: torch.dtype = torch.float32
+) -> float:
     """How many times faster `backend` attends one row of `_PROBE_TOKENS` tokens than its SDPA
-    fallback on this CPU, at the current thread count: the fastest of `_PROBE_REPEATS`
-    interleaved calls of each (~10 ms in all for e5-small's heads), reported in the
-    backend's log line: the kernels were measured on AMD CPUs only (module docstring), so a
-    CPU where this one loses shows it there."""
+    fallback on this CPU, at the current thread count, operands in `dtype` (this kernel
+    widens them to fp32, SDPA computes in them): the fastest of `_PROBE_REPEATS`
+    interleaved calls of each (~10 ms in all for e5-small's heads). For fp32 it is reported
+    in the backend's log line (the kernels were measured on AMD CPUs only, module docstring,
+    so a CPU where this one loses shows it there); for bf16 / fp16 engines it decides
+    (`rose.attention.REDUCED_SDPA_BELOW`)."""
     cu = np.array([0, _PROBE_TOKENS], dtype=np.int64)
     gen = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(_PROBE_TOKENS, 3, num_heads, head_dim, generator=gen).unbind(1)
+    qkv = torch.randn(_PROBE_TOKENS, 3, num_heads, head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.unbind(1)
     inputs = AttentionInputs(torch.from_numpy(cu), torch.zeros(_PROBE_TOKENS, dtype=torch.long))
     contenders = (backend, backend._fallback)
     states = [b.prepare(b.plan(cu), inputs) for b in contenders]
