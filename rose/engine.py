@@ -234,6 +234,10 @@ class Engine:
             cfg.head_dim,
             num_kv_heads=cfg.num_kv_heads,
             causal=cfg.causal,
+            # int8 keeps fp32 activations; where its float layers run in bf16, so may attention
+            attend_dtype=(
+                float_layer_dtype() if config.quantize == "int8" and config.packed_weights else None
+            ),
         )
         engine = cls(
             family,

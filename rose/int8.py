@@ -42,8 +42,12 @@ against 4905 tokens/s, bf16 products being as fast here as int8 ones with their 
 quantization). (SmoothQuant strengths 0.4-0.9 on the up projection alone did not recover it.) The
 float layers run in bf16 on oneDNN-packed weights, the up projection with its activation
 fused, where this CPU's packed bf16 products are faster than its fp32 ones
-(`rose.packed.bf16_speedup`, measured once at the first load), else packed fp32. Everything
-between the products (attention, norms, residuals) stays float32.
+(`rose.packed.bf16_speedup`, measured once at the first load), else packed fp32. Norms and
+residuals stay float32, and so does attention unless the float layers are bf16 and PyTorch's
+CPU kernel in bf16, casts included, is decisively faster than ONNX Runtime's fp32 one
+(`rose.attention.select_backend`, timed at load: AMX). Forced on a Zen 4 (where it is not
+faster), bf16 attention left accuracy where fp32 attention has it: min cosine 0.99982 against
+0.99983, top-10 overlap 0.966 against 0.957 (bench/engine.py's retrieval task).
 
 Accuracy gate: `check_accuracy` runs the model's check inputs (`CHECK_TEXTS`, real
 multilingual sentences tokenized by the directory's tokenizer.json, alone and joined into

@@ -130,8 +130,9 @@ def test_a_reduced_precision_engine_takes_sdpa_only_when_decisively_faster(
 
     timed: list[torch.dtype] = []
 
-    def speedup(backend, heads, head_dim, dt=torch.float32, *, x: float) -> float:
+    def speedup(backend, heads, head_dim, dt=torch.float32, against=None, *, x: float) -> float:
         timed.append(dt)
+        assert against is not None and against.compute_dtype is None  # SDPA in its operands'
         return x
 
     args = (CPU, dtype, HEADS, HEAD_DIM)
@@ -149,6 +150,48 @@ def test_a_reduced_precision_engine_takes_sdpa_only_when_decisively_faster(
     monkeypatch.undo()
     measured = attention.kernel_speedup(_backend(), HEADS, HEAD_DIM, dtype)
     assert 0.0 < measured < float("inf")
+
+
+def test_an_int8_engine_attends_in_its_float_layers_dtype_only_when_decisively_faster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An fp32 engine given `attend_dtype` (int8's float layers in bf16): ONNX Runtime's kernel
+    against SDPA computing in bf16 on the engine's fp32 operands, casts included; the SDPA
+    backend it then takes returns fp32 rows as close to fp32 attention as bf16 allows."""
+    import rose.attention as attention
+
+    timed: list[tuple[torch.dtype, torch.dtype | None]] = []
+
+    def speedup(backend, heads, head_dim, dt=torch.float32, against=None, *, x: float) -> float:
+        timed.append((dt, None if against is None else against.compute_dtype))
+        return x
+
+    args = (CPU, torch.float32, HEADS, HEAD_DIM)
+    for x, want in ((0.47, "sdpa"), (0.8, "onnxruntime")):
+        monkeypatch.setattr(attention, "kernel_speedup", functools.partial(speedup, x=x))
+        choice = select_backend(None, "auto", *args, attend_dtype=torch.bfloat16)
+        assert choice.backend.name == want, (x, choice.reason)
+    assert timed == [(torch.float32, torch.bfloat16)] * 2
+    monkeypatch.setattr(attention, "kernel_speedup", functools.partial(speedup, x=0.47))
+    chosen = select_backend(None, "auto", *args, attend_dtype=torch.bfloat16).backend
+    assert chosen.describe() == "sdpa (auto, in bfloat16)"
+    for fp32 in (None, torch.float32):  # without a reduced dtype: timed for the log only
+        plain = select_backend(None, "auto", *args, attend_dtype=fp32)
+        assert plain.backend.name == "onnxruntime"
+    assert timed[3:] == [(torch.float32, None)] * 2
+    lengths = [40, 3, 2, 60]  # per-sequence and block-diagonal plans both cast
+    q, k, v = torch.randn(sum(lengths), 3, HEADS, HEAD_DIM).unbind(1)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    inputs = AttentionInputs(torch.from_numpy(cu), seg)
+    for strategy in ("per-sequence", "block-diagonal"):
+        exact = SdpaBackend(strategy)
+        want = exact.attend(q, k, v, exact.prepare(exact.plan(cu), inputs))
+        bf16 = SdpaBackend(strategy, compute_dtype=torch.bfloat16)
+        got = bf16.attend(q, k, v, bf16.prepare(bf16.plan(cu), inputs))
+        assert got.dtype == torch.float32 and got.shape == q.shape
+        err = (got - want).abs().max().item()
+        assert 0.0 < err < 2e-2, strategy  # bf16's rounding, not fp32's result
 
 
 def test_a_kernel_that_disagrees_with_sdpa_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -65,6 +65,7 @@ def select_backend(
     head_dim: int,
     num_kv_heads: int | None = None,
     causal: bool = False,
+    attend_dtype: torch.dtype | None = None,
 ) -> AttentionChoice:
     """Pick the attention backend for one engine and log the choice (once per engine).
 
@@ -73,17 +74,21 @@ def select_backend(
     `requested` is None or "onnxruntime", provided it imports and passes the probe (the
     log line reports its speed against SDPA on this CPU, `kernel_speedup`), except bf16 /
     fp16 engines on CPUs whose SDPA in that dtype is decisively faster (`REDUCED_SDPA_BELOW`:
-    AMX); causal ones go to SDPA.
+    AMX), and fp32 engines given an `attend_dtype` (int8 ones: their float layers' dtype) on
+    CPUs whose SDPA in it, casts included, is; causal ones go to SDPA.
     FlashInfer is tried on CUDA in fp16/bf16 for the head dims its kernels take
     (`FLASHINFER_HEAD_DIMS`, checked before anything is imported or compiled) when
     `requested` is None or "flashinfer"; it must import and pass a small probe against SDPA,
     else SDPA is used and the reason logged. Nothing here raises for a fallback: a check
     that claims FlashInfer asserts it with `flashinfer_coverage`.
     num_kv_heads: key/value heads (grouped-query attention; None: num_heads). causal: each
-    token attends to its row's tokens up to itself only.
+    token attends to its row's tokens up to itself only. attend_dtype: a reduced dtype an
+    fp32 CPU engine may attend in (None or fp32: it attends in fp32).
     """
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    choice = _select(requested, sdpa_strategy, device, dtype, num_heads, head_dim, kv_heads, causal)
+    choice = _select(
+        requested, sdpa_strategy, device, dtype, num_heads, head_dim, kv_heads, causal, attend_dtype
+    )
     log.info("rose attention backend: %s (%s)", choice.backend.describe(), choice.reason)
     return choice
 
@@ -97,12 +102,14 @@ def _select(
     head_dim: int,
     num_kv_heads: int,
     causal: bool,
+    attend_dtype: torch.dtype | None,
 ) -> AttentionChoice:
     sdpa = SdpaBackend(sdpa_strategy, device.type, causal=causal)
     if requested == "sdpa":
         return AttentionChoice(sdpa, "requested")
     if device.type == "cpu" and requested in (None, "onnxruntime"):
-        return _cpu(sdpa, dtype, num_heads, head_dim, num_kv_heads, causal, requested is None)
+        timed = requested is None
+        return _cpu(sdpa, dtype, num_heads, head_dim, num_kv_heads, causal, timed, attend_dtype)
     if device.type != "cuda":
         return AttentionChoice(sdpa, "FlashInfer needs CUDA" if requested else "CPU")
     if requested == "onnxruntime":
@@ -132,10 +139,12 @@ def _cpu(
     num_kv_heads: int,
     causal: bool,
     timed: bool,
+    attend_dtype: torch.dtype | None,
 ) -> AttentionChoice:
     """ONNX Runtime's kernel for a bidirectional CPU engine when it imports and agrees with
-    SDPA; when it was not asked for by name (`timed`), its speed against SDPA is measured
-    for the log line."""
+    SDPA; when it was not asked for by name (`timed`), its speed against SDPA is measured,
+    for the log line in fp32 and to decide against SDPA in a reduced dtype (the engine's,
+    or `attend_dtype`)."""
     if causal:
         return AttentionChoice(sdpa, "CPU, causal: PyTorch's causal kernel skips masked blocks")
     module, why = import_onnxruntime()
@@ -151,12 +160,15 @@ def _cpu(
         )
     if not timed:
         return AttentionChoice(backend, "requested")
-    if dtype != torch.float32:
-        speedup = kernel_speedup(backend, num_heads, head_dim, dtype)
+    reduced = dtype if dtype != torch.float32 else attend_dtype
+    if reduced not in (None, torch.float32):
+        # an fp32 engine's SDPA casts its operands: the timing includes the casts
+        against = sdpa if reduced == dtype else SdpaBackend(sdpa.strategy, compute_dtype=reduced)
+        speedup = kernel_speedup(backend, num_heads, head_dim, dtype, against)
         if speedup < REDUCED_SDPA_BELOW:
-            name = str(dtype).removeprefix("torch.")
+            name = str(reduced).removeprefix("torch.")
             return AttentionChoice(
-                sdpa,
+                against,
                 f"CPU, {name}: PyTorch's kernel in {name}, {1 / speedup:.2f}x ONNX Runtime's "
                 "fp32 one",
             )
