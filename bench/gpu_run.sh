@@ -46,6 +46,12 @@ done
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root" || exit 2
 py="${PYTHON:-python3}"
+# A checkout set up by `make install` on a machine whose python3 has no PyTorch (a CPU box
+# walking the dry run): use the project's environment. The GPU image's python3 has PyTorch,
+# so there nothing changes; PYTHON always wins.
+if [ -z "${PYTHON:-}" ] && ! python3 -c 'import torch' > /dev/null 2>&1 && [ -x "$root/.venv/bin/python" ]; then
+    py="$root/.venv/bin/python"
+fi
 wheels="${GPU_WHEELS:-$root/.gpu/wheels}"
 export FLASHINFER_WORKSPACE_BASE="${FLASHINFER_WORKSPACE_BASE:-$root/.gpu/jit}"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

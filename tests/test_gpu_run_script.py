@@ -101,3 +101,30 @@ def test_dry_run_refuses_a_wheel_with_a_part_missing(tmp_path: Path) -> None:
     run = _dry_run(wheels, "--part=2", "--no-collect")
     assert run.returncode != 0
     assert "do not make a whole wheel" in run.stdout + run.stderr
+
+
+def test_dry_run_without_python_uses_the_checkouts_venv_where_python3_lacks_torch(
+    tmp_path: Path,
+) -> None:
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    if not venv_python.exists():
+        pytest.skip("no .venv in this checkout (`make install` makes it)")
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text("#!/bin/sh\nexit 1\n")  # a python3 that imports nothing
+    (fake / "python3").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "OUT", "GPU_RESULTS")}
+    env["PATH"] = f"{fake}{os.pathsep}{env.get('PATH', '')}"
+    env["GPU_WHEELS"] = str(tmp_path / "wheels")
+    run = subprocess.run(
+        ["bash", "bench/gpu_run.sh", "--dry-run", "--part=1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"gpu_run dry run: part 1, python {venv_python}," in run.stdout
+    collected = re.findall(r"collects: (\d+)(?:/\d+)? tests? collected", run.stdout)
+    assert len(collected) == 2 and all(int(n) > 0 for n in collected)
