@@ -49,7 +49,8 @@ py="${PYTHON:-python3}"
 # A checkout set up by `make install` on a machine whose python3 has no PyTorch (a CPU box
 # walking the dry run): use the project's environment. The GPU image's python3 has PyTorch,
 # so there nothing changes; PYTHON always wins.
-if [ -z "${PYTHON:-}" ] && ! python3 -c 'import torch' > /dev/null 2>&1 && [ -x "$root/.venv/bin/python" ]; then
+# (Cheap tests first: without a .venv, as on the GPU machine, torch is never imported here.)
+if [ -z "${PYTHON:-}" ] && [ -x "$root/.venv/bin/python" ] && ! python3 -c 'import torch' > /dev/null 2>&1; then
     py="$root/.venv/bin/python"
 fi
 wheels="${GPU_WHEELS:-$root/.gpu/wheels}"

@@ -19,10 +19,16 @@ FLASHINFER = "flashinfer_python-0.7.4-py3-none-any.whl"
 TVM_FFI = "apache_tvm_ffi-0.1.9-py3-none-any.whl"
 
 
-def _dry_run(wheels: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHON": sys.executable, "GPU_WHEELS": str(wheels)}
-    env.pop("OUT", None)
-    env.pop("GPU_RESULTS", None)
+def _dry_run(
+    wheels: Path, *args: str, python: str | None = sys.executable, path_first: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """The dry run with ``PYTHON=python`` (None: unset) and ``path_first`` ahead on PATH."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "OUT", "GPU_RESULTS")}
+    env["GPU_WHEELS"] = str(wheels)
+    if python is not None:
+        env["PYTHON"] = python
+    if path_first is not None:
+        env["PATH"] = f"{path_first}{os.pathsep}{env.get('PATH', '')}"
     return subprocess.run(
         ["bash", "bench/gpu_run.sh", "--dry-run", *args],
         cwd=ROOT,
@@ -113,17 +119,7 @@ def test_dry_run_without_python_uses_the_checkouts_venv_where_python3_lacks_torc
     fake.mkdir()
     (fake / "python3").write_text("#!/bin/sh\nexit 1\n")  # a python3 that imports nothing
     (fake / "python3").chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "OUT", "GPU_RESULTS")}
-    env["PATH"] = f"{fake}{os.pathsep}{env.get('PATH', '')}"
-    env["GPU_WHEELS"] = str(tmp_path / "wheels")
-    run = subprocess.run(
-        ["bash", "bench/gpu_run.sh", "--dry-run", "--part=1"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = _dry_run(tmp_path / "wheels", "--part=1", python=None, path_first=fake)
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"gpu_run dry run: part 1, python {venv_python}," in run.stdout
     collected = re.findall(r"collects: (\d+)(?:/\d+)? tests? collected", run.stdout)
