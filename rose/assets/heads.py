@@ -64,7 +64,7 @@ BUNDLED: dict[str, BundledHead] = {
         BundledHead(
             name="smollm2-135m-instruct-mtp",
             target="smollm2-135m-instruct",
-            sha256="f3d61a01e9b16d50bae1ab0f7ddebd648d4c81c6d1285ca5f16648db072bf5e8",
+            sha256="b812eb99c884499ac75802ea60127dafd2afccb6129452d891ee8bd74eab82c5",
             description="MTP draft head for smollm2-135m-instruct (bf16, --spec mtp)",
         ),
     )

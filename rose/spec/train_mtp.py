@@ -44,24 +44,31 @@ position; bench/results/mtp_accept.md):
   installed head's (same seed, same corpus, same order). On its own the chain is still
   short of the ~0.75 accepted drafts per step the 1.5x bar needs at k = 3; data is the
   lever that paid (512 → 1536 → 2560 prompts: 0.43 → 0.566 → 0.589 at 2 epochs).
-- now (the defaults; installed as the default head): the same corpus, 6 epochs: 0.686
-  (0.430, 0.177, 0.083). The head was still under-trained at 3 (training loss per epoch
-  3.61, 2.47, 2.01, 1.71, 1.52, 1.42). One run of the default command from scratch (s7,
-  `--out` a new directory, the 8 held-out prompts excluded) on the idle 2-core machine:
-  42.8 min wall (answering 1011 s, training 1547 s, both on 2 threads), under the 45
-  minute rule, its weights bit for bit those of the 6-epoch run on the cached corpus (the
-  installed head). bf16 autocast trained only 1.27x
+- s8, the defaults until 2026-12-06: the same corpus, 6 epochs: 0.686 (0.430, 0.177,
+  0.083). The head was still under-trained at 3 (training loss per epoch 3.61, 2.47, 2.01,
+  1.71, 1.52, 1.42). One run of that command from scratch on the idle 2-core machine took
+  42.8 min wall (answering 1011 s, training 1547 s, both on 2 threads), its weights bit for
+  bit those of the 6-epoch run on the cached corpus. bf16 autocast trained only 1.27x
   faster (matrix products are ~70% of the time and oneDNN's bf16 ones were not much
-  quicker here), so it was not pursued.
-- shipped (s8, `rose/assets/bundled/smollm2-135m-instruct-mtp`, `rose.assets.heads`): the
-  default command from scratch with the 8 held-out prompts excluded (the exact command is in
-  the head's config.json), 4392 s wall on a machine shared with other work; per-epoch
-  losses 3.6050, 2.4655, 2.0068, 1.7084, 1.5168, 1.4194 (s7's, to the digits it recorded).
-  Held-out 0.699 (0.452, 0.168, 0.084) in fp32 and 0.708 for the bf16 copy that ships
-  (``--bf16-copy``), whose stated tolerance is +-0.02 of the fp32 head's acceptance.
+  quicker here), so it was not pursued. Shipped as a bf16 copy: held-out 0.699 (0.452,
+  0.168, 0.084) in fp32, 0.708 for the bf16 copy.
+- now (s9, the defaults; shipped in `rose/assets/bundled/smollm2-135m-instruct-mtp`,
+  `rose.assets.heads`): 3584 prompts x 128 answer tokens (550902 tokens, 1.4x s8's), 9
+  epochs, otherwise s8's recipe. Both levers still paid: training loss per epoch 3.475,
+  2.368, 1.995, 1.762, 1.599, 1.476, 1.374, 1.314, 1.286 (s8 ended at 1.419), and on the 8
+  held-out chat prompts the bf16 copy's dynamic 5-node tree (k = 4) keeps 0.985 drafts per
+  step against s8's 0.892 (0.613 against 0.589 at depth 1), 1.72x against 1.63x plain in
+  the same script on the Zen 4 machine. One run of the default command from scratch (the 8
+  held-out prompts excluded; the exact command is in the head's config.json) on the idle
+  2-core Zen 4 machine: 82.6 min wall (answering 1395 s, training 3548 s, both on 2
+  threads). That is past the 45 minutes the issue asked of a training run inside `models
+  pull`, which is why the head ships as an asset instead; this command has not yet been
+  rerun to check the bytes, but s7/s8 showed the pipeline deterministic (same seed,
+  corpus and order give the same weights). The bf16 copy's stated tolerance stays +-0.02
+  of the fp32 head's acceptance (``--bf16-copy``).
 
     python -m rose.spec.train_mtp [--model smollm2-135m-instruct] [--out DIR]
-        [--prompts 2560] [--answer-tokens 128] [--draft-vocab 4096] [--epochs 6] [--unroll 2]
+        [--prompts 3584] [--answer-tokens 128] [--draft-vocab 4096] [--epochs 9] [--unroll 2]
         [--distill 0.5] [--threads 2] [--feature-layers L,L,L] [--exclude PROMPT ...]
 
 Default output: ``~/.cache/trellis/heads/<model>-mtp`` (`default_head_dir`), where
@@ -567,10 +574,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--corpus-only", action="store_true", help="build the corpus and features, then stop"
     )
-    ap.add_argument("--prompts", type=int, default=2560)
+    ap.add_argument("--prompts", type=int, default=3584)
     ap.add_argument("--answer-tokens", type=int, default=128)
-    ap.add_argument("--minutes", type=float, default=40.0, help="training time budget")
-    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--minutes", type=float, default=75.0, help="training time budget")
+    ap.add_argument("--epochs", type=int, default=9)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--batch-tokens", type=int, default=512)
     ap.add_argument("--unroll", type=int, default=2, help="chained drafts trained per pair")
