@@ -56,9 +56,10 @@ position; bench/results/mtp_accept.md):
   `rose.assets.heads`): 3584 prompts x 128 answer tokens (550902 tokens, 1.4x s8's), 9
   epochs, otherwise s8's recipe. Both levers still paid: training loss per epoch 3.475,
   2.368, 1.995, 1.762, 1.599, 1.476, 1.374, 1.314, 1.286 (s8 ended at 1.419), and on the 8
-  held-out chat prompts the bf16 copy's dynamic 5-node tree (k = 4) keeps 0.985 drafts per
-  step against s8's 0.892 (0.613 against 0.589 at depth 1), 1.72x against 1.63x plain in
-  the same script on the Zen 4 machine. One run of the default command from scratch (the 8
+  held-out chat prompts (`python -m bench spec` with the bf16 copy, Zen 4) the chain of 3
+  keeps 0.77 drafts per step (0.49, 0.21, 0.08) against s8's 0.71 (0.45, 0.17, 0.08) in
+  that bench's previous run, and the dynamic 5-node tree 0.99 against 0.89 (1.70x against
+  1.65x plain, bench/results/spec.md; `bench mtp_accept` was not rerun). One run of the default command from scratch (the 8
   held-out prompts excluded; the exact command is in the head's config.json) on the idle
   2-core Zen 4 machine: 82.6 min wall (answering 1395 s, training 3548 s, both on 2
   threads). That is past the 45 minutes the issue asked of a training run inside `models
