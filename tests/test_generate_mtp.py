@@ -442,3 +442,32 @@ def test_head_trained_on_the_targets_distribution_is_accepted(
     _, eng0 = _run(target, untrained, test_prompts)
     assert eng.stats.acceptance_rate > 0.3, eng.stats.as_dict()
     assert eng.stats.acceptance_rate > 3 * eng0.stats.acceptance_rate
+
+
+def test_a_time_budget_that_cuts_training_short_says_so(target: LlamaForCausalLM) -> None:
+    """``max_seconds`` stops training, and the run reports it: its loss history holds only
+    the epochs it completed, it logs a warning, and the head's note says STOPPED EARLY."""
+    from rose.spec.train_mtp import _epochs_note
+
+    seqs = answer_prompts(target, random_prompts(4, 96), answer_tokens=16)
+    feats = target_features(target, seqs)
+    tokens = sum(len(s) for s in seqs)
+
+    def run(**kw: object) -> tuple[list[float], list[str]]:
+        logs: list[str] = []
+        cfg = TrainConfig(epochs=3, lr=3e-3, **kw)  # type: ignore[arg-type]
+        _, history = train_head(target, seqs, feats, cfg, log=logs.append)
+        return history, [m for m in logs if m.startswith("warning:")]
+
+    full, warned = run(batch_tokens=64)  # no budget: every epoch, no warning
+    assert len(full) == 3 and warned == []
+    # spent within the first epoch's batches: nothing complete
+    history, warned = run(batch_tokens=64, max_seconds=0.0)
+    assert history == []
+    assert len(warned) == 1 and "0 of 3 epochs complete" in warned[0]
+    # one batch per epoch: the budget is seen between epochs
+    history, warned = run(batch_tokens=tokens + 1, max_seconds=0.0)
+    assert len(history) == 1
+    assert len(warned) == 1 and "1 of 3 epochs complete" in warned[0]
+    assert _epochs_note(3, 3, None) == "3 epochs"
+    assert _epochs_note(1, 3, 75.0).startswith("1 of 3 epochs (STOPPED EARLY by --minutes 75.0")

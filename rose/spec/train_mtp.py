@@ -59,10 +59,14 @@ position; bench/results/mtp_accept.md):
   held-out chat prompts (`python -m bench spec` with the bf16 copy, Zen 4) the chain of 3
   keeps 0.77 drafts per step (0.49, 0.21, 0.08) against s8's 0.71 (0.45, 0.17, 0.08) in
   that bench's previous run, and the dynamic 5-node tree 0.99 against 0.89 (1.70x against
-  1.65x plain, bench/results/spec.md; `bench mtp_accept` was not rerun). One run of the default command from scratch (the 8
-  held-out prompts excluded; the exact command is in the head's config.json) on the idle
-  2-core Zen 4 machine: 82.6 min wall (answering 1395 s, training 3548 s, both on 2
-  threads). That is past the 45 minutes the issue asked of a training run inside `models
+  1.65x plain, bench/results/spec.md). `bench mtp_accept`: 0.783 (0.492, 0.209, 0.087) at
+  k = 3 in fp32, 0.774 for the bf16 copy (s8: 0.699 and 0.708). One run of the default
+  command from scratch (the 8 held-out prompts excluded; the exact command is in the head's
+  config.json) on the idle 2-core Zen 4 machine: 82.6 min wall (answering 1395 s, training
+  3548 s, both on 2 threads). That recorded command carries ``--minutes 75``, which its
+  59 min of training stayed under; the defaults now have no time budget, so the command
+  gives the same head on a slower machine too (a budget that cuts a run short is logged and
+  written into the head's config.json as STOPPED EARLY). That is past the 45 minutes the issue asked of a training run inside `models
   pull`, which is why the head ships as an asset instead; this command has not yet been
   rerun to check the bytes, but s7/s8 showed the pipeline deterministic (same seed,
   corpus and order give the same weights). The bf16 copy's stated tolerance stays +-0.02
@@ -120,8 +124,10 @@ __all__ = [
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """lr / weight_decay: AdamW. epochs: passes over the corpus (stops early at
-    max_seconds). batch_tokens: tokens per optimizer step. feature_weight: weight of the
+    """lr / weight_decay: AdamW. epochs: passes over the corpus. max_seconds: an optional
+    wall-clock budget (None: none); a run it cuts short says so in its log and in the
+    length of its loss history (`train_head`), and its head is not what the same
+    settings give on a faster machine. batch_tokens: tokens per optimizer step. feature_weight: weight of the
     feature-regression loss. unroll: chained drafts trained per pair (1: the first only;
     step s weighted by unroll_weight ** (s - 1)). init: "random" or "last-layer" (the block
     starts as the target's last layer). distill: the share of the token loss taken against
@@ -133,7 +139,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     epochs: int = 4
-    max_seconds: float = 1800.0
+    max_seconds: float | None = None
     batch_tokens: int = 2048
     feature_weight: float = 1.0
     unroll: int = 1
@@ -439,7 +445,8 @@ def train_head(
     init_source: LlamaForCausalLM | None = None,
 ) -> tuple[MTPHead, list[float]]:
     """Train a fresh head on (sequence, target features) pairs; returns it and the mean
-    next-token loss of each epoch. ``draft_vocab``: target ids the head drafts among (None:
+    next-token loss of each epoch it completed: fewer than ``cfg.epochs`` only when
+    ``cfg.max_seconds`` cut the run short (logged as a warning). ``draft_vocab``: target ids the head drafts among (None:
     all); labels outside it are not trained on. ``checkpoint`` is called after every epoch.
     ``init_source``: the target with dense weights for ``cfg.init`` = "last-layer" (default
     ``model``).
@@ -483,12 +490,17 @@ def train_head(
 
     gen = torch.Generator().manual_seed(cfg.seed)
     t0 = time.perf_counter()
+
+    def over_budget() -> bool:
+        return cfg.max_seconds is not None and time.perf_counter() - t0 > cfg.max_seconds
+
     history: list[float] = []
     step = 0
     for epoch in range(cfg.epochs):
         order = [usable[i] for i in torch.randperm(len(usable), generator=gen).tolist()]
         total, count = 0.0, 0
-        for group in _batches(order, lengths, cfg.batch_tokens):
+        groups = _batches(order, lengths, cfg.batch_tokens)
+        for g_i, group in enumerate(groups):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step)
             step += 1
@@ -530,14 +542,26 @@ def train_head(
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            if time.perf_counter() - t0 > cfg.max_seconds:
-                break
+            if g_i + 1 < len(groups) and over_budget():
+                log(
+                    f"warning: time budget of {cfg.max_seconds:.0f} s spent in epoch {epoch} "
+                    f"after {g_i + 1} of {len(groups)} batches (loss so far "
+                    f"{total / max(count, 1):.4f}): training stopped with {len(history)} of "
+                    f"{cfg.epochs} epochs complete"
+                )
+                if checkpoint is not None:
+                    checkpoint(head.eval(), history)
+                return head.eval(), history
         history.append(total / max(count, 1))
         log(f"epoch {epoch}: next-token loss {history[-1]:.4f} ({time.perf_counter() - t0:.0f} s)")
         if checkpoint is not None:
             checkpoint(head.eval(), history)
             head.train()
-        if time.perf_counter() - t0 > cfg.max_seconds:
+        if epoch + 1 < cfg.epochs and over_budget():
+            log(
+                f"warning: time budget of {cfg.max_seconds:.0f} s spent: training stopped "
+                f"with {len(history)} of {cfg.epochs} epochs complete"
+            )
             break
     return head.eval(), history
 
@@ -577,7 +601,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--prompts", type=int, default=3584)
     ap.add_argument("--answer-tokens", type=int, default=128)
-    ap.add_argument("--minutes", type=float, default=75.0, help="training time budget")
+    ap.add_argument(
+        "--minutes",
+        type=float,
+        help="training time budget (default: none); a run it cuts short is not reproducible "
+        "on another machine and says so in the head's config.json",
+    )
     ap.add_argument("--epochs", type=int, default=9)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--batch-tokens", type=int, default=512)
@@ -699,7 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = TrainConfig(
         lr=args.lr,
         epochs=args.epochs,
-        max_seconds=args.minutes * 60,
+        max_seconds=None if args.minutes is None else args.minutes * 60,
         batch_tokens=args.batch_tokens,
         unroll=args.unroll,
         unroll_weight=args.unroll_weight,
@@ -723,7 +752,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{len(seqs)} local prompts answered by the target (up to {args.answer_tokens} "
                 f"tokens, {n_tok} tokens in all), draft vocabulary {args.draft_vocab or 'full'}, "
                 f"features {_layers_note(args.feature_layers)}, "
-                f"unroll {args.unroll}, {len(history)} epochs on {args.threads} threads; "
+                f"unroll {args.unroll}, {_epochs_note(len(history), args.epochs, args.minutes)} "
+                f"on {args.threads} threads; "
                 f"corpus + features {build.get('wall_s', float('nan')):.0f} s wall / "
                 f"{build.get('cpu_s', float('nan')):.0f} s CPU, training "
                 f"{time.perf_counter() - t1:.0f} s wall / {time.process_time() - c1:.0f} s CPU"
@@ -763,6 +793,16 @@ def bf16_copy(src: Path, out: Path) -> None:
     extra = {k: v for k, v in meta.items() if k not in config_keys}
     extra["rounded_from_sha256"] = file_sha256(src / "model.safetensors")
     MTPHead.load(src).to(torch.bfloat16).save(out, extra=extra)
+
+
+def _epochs_note(done: int, epochs: int, minutes: float | None) -> str:
+    """How many epochs a head was trained for, naming a ``--minutes`` budget that cut it."""
+    if done >= epochs:
+        return f"{done} epochs"
+    return (
+        f"{done} of {epochs} epochs (STOPPED EARLY by --minutes {minutes}: not the "
+        "command's full result, and not reproducible on a machine of another speed)"
+    )
 
 
 def _layers_note(layers: Sequence[int]) -> str:
