@@ -425,6 +425,9 @@ class IvyApp:
         self._methods: dict[str, list[str]] = {}
         for route in self.routes:
             self._methods.setdefault(route.path, []).append(route.method)
+            if route.method == "GET":  # RFC 9110: HEAD wherever GET; uvicorn drops the body
+                self._routes[("HEAD", route.path)] = route
+                self._methods[route.path].append("HEAD")
         self._openapi: dict[str, Any] | None = None
         public = [r.path for r in self.routes if r.public]
         stack: ASGIApp = self._serve

@@ -73,6 +73,23 @@ _NO_PARAMETERS = SimilarityParameters()
 _CHARS_PER_TOKEN_BOUND = 8
 
 
+@dataclass(frozen=True)
+class Fields:
+    """How a route's request names what the one embedding path reports errors about: its
+    inputs, its dimensions and the way to ask for truncation."""
+
+    input: str = "input"
+    dimensions: str = "dimensions"
+    truncate: str = "pass `truncate: true`"
+
+
+OPENAI_FIELDS = Fields()
+TEI_FIELDS = Fields(input="inputs")
+COHERE_FIELDS = Fields(
+    input="texts", dimensions="output_dimension", truncate='pass `truncate: "END"` or "START"'
+)
+
+
 @dataclass
 class Timings:
     tokenize_s: float = 0.0
@@ -193,6 +210,7 @@ class Gateway:
         max_length: int | None = None,
         left: bool = False,
         param: str = "input",
+        fix: str = OPENAI_FIELDS.truncate,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Packed ids and lengths; over-long inputs are cut when `truncate` (from the left,
         keeping the leading special tokens, when `left`), else refused with a 400."""
@@ -209,7 +227,7 @@ class Gateway:
         if truncate and left and lengths.size and int(lengths.max()) > cut:
             ids, lengths = _cut_left(ids, lengths, cut, len(self._special_frame(model)[0]))
         if not truncate:
-            _check_lengths(lengths, limit, param)
+            _check_lengths(lengths, limit, param, fix)
         return ids, lengths
 
     def _special_frame(self, model: ServedModel) -> tuple[np.ndarray, np.ndarray]:
@@ -267,11 +285,12 @@ class Gateway:
         left: bool = False,
         dimensions: int | None = None,
         normalize: bool | None = None,
-        dimensions_param: str = "dimensions",
+        fields: Fields = OPENAI_FIELDS,
     ) -> tuple[np.ndarray, int]:
         """The one embedding path of every route: [inputs, dims] float32 vectors and the
-        token count. `inputs` are texts (`prompt` goes before each), token ids or lists of
-        them; `truncate` None takes the server's default (`--auto-truncate`)."""
+        token count. `inputs` are texts (`prompt` goes before each), token ids (one input)
+        or lists of them; `truncate` None takes the server's default (`--auto-truncate`);
+        errors name the route's `fields`."""
         out, tokens = await self.embed_outputs(
             model,
             inputs,
@@ -281,7 +300,7 @@ class Gateway:
             left=left,
             dimensions=dimensions,
             normalize=normalize,
-            dimensions_param=dimensions_param,
+            fields=fields,
         )
         assert out.dense is not None
         return out.dense, tokens
@@ -298,18 +317,19 @@ class Gateway:
         left: bool = False,
         dimensions: int | None = None,
         normalize: bool | None = None,
-        dimensions_param: str = "dimensions",
+        fields: Fields = OPENAI_FIELDS,
     ) -> tuple[EmbedOutputs, int]:
         """`embed` for any output kinds (`outputs`, names of `OUTPUT_KINDS`; empty: dense,
         on the unchanged path), each the model must offer (checked by the caller)."""
         spec = model.spec
         if dimensions is not None and spec.dimensions and dimensions > spec.dimensions:
             raise ValidationError(
-                f"{dimensions_param} must be at most {spec.dimensions} for `{model.name}`, "
+                f"{fields.dimensions} must be at most {spec.dimensions} for `{model.name}`, "
                 f"got {dimensions}.",
-                param=dimensions_param,
+                param=fields.dimensions,
             )
-        self.check_count(len(inputs), "input")
+        one_row_of_ids = isinstance(inputs[0], int)  # a flat list of token ids is one input
+        self.check_count(1 if one_row_of_ids else len(inputs), fields.input)
         cut = self.auto_truncate if truncate is None else truncate
         t0 = time.perf_counter()
         texts_in = isinstance(inputs[0], str)
@@ -318,11 +338,18 @@ class Gateway:
             with tracing.span("tokenize", inputs=len(inputs)):
                 if texts_in:
                     texts = [prompt + t for t in inputs] if prompt else list(inputs)  # type: ignore[operator]
-                    ids, lengths = await self._tokenize(model, texts, truncate=cut, left=left)  # type: ignore[arg-type]
+                    ids, lengths = await self._tokenize(
+                        model,
+                        texts,  # type: ignore[arg-type]
+                        truncate=cut,
+                        left=left,
+                        param=fields.input,
+                        fix=fields.truncate,
+                    )
                 else:
-                    rows: list[list[int]] = [inputs] if isinstance(inputs[0], int) else inputs  # type: ignore[assignment,list-item]
+                    rows: list[list[int]] = [inputs] if one_row_of_ids else inputs  # type: ignore[assignment,list-item]
                     ids, lengths = _pack_ids(
-                        rows, spec.vocab_size, spec.max_input_tokens, cut, left
+                        rows, spec.vocab_size, spec.max_input_tokens, cut, left, fields
                     )
             timings.tokenize_s = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -460,6 +487,7 @@ class Gateway:
             prompt=prompt,
             truncate=req.truncate,
             left=req.truncation_direction.lower() == "left",
+            fields=TEI_FIELDS,
         )
 
     async def contextualized(
@@ -582,6 +610,7 @@ class Gateway:
             left=req.truncation_direction.lower() == "left",
             dimensions=req.dimensions,
             normalize=req.normalize,
+            fields=TEI_FIELDS,
         )
         return vectors
 
@@ -598,6 +627,7 @@ class Gateway:
             prompt=prompt,
             truncate=params.truncate,
             left=params.truncation_direction.lower() == "left",
+            fields=TEI_FIELDS,
         )
         return _cosines_to_first(vectors)
 
@@ -617,7 +647,7 @@ class Gateway:
             truncate=req.truncate != "NONE",
             left=req.truncate == "START",
             dimensions=req.output_dimension,
-            dimensions_param="output_dimension",
+            fields=COHERE_FIELDS,
         )
         kinds = dict.fromkeys(req.embedding_types)  # each once, in the order asked
         embeddings = {kind: _COHERE_TYPES[kind](vectors) for kind in kinds}
@@ -1082,12 +1112,16 @@ def _cut_left(
     return ids[keep], np.minimum(lengths, cut).astype(lengths.dtype)
 
 
-def _check_lengths(lengths: np.ndarray, limit: int, param: str) -> None:
+def _check_lengths(
+    lengths: np.ndarray, limit: int, param: str, fix: str = OPENAI_FIELDS.truncate
+) -> None:
+    """Refuse an input over ``limit`` tokens (``fix``: how the route asks to cut it) or an
+    empty one, naming the request field ``param``."""
     if lengths.size and int(lengths.max()) > limit:
         index = int(np.argmax(lengths > limit))
         raise ValidationError(
             f"Input {index} has {int(lengths[index])} tokens, over this model's limit of "
-            f"{limit}; shorten it or pass `truncate: true`.",
+            f"{limit}; shorten it or {fix}.",
             param=param,
             code="context_length_exceeded",
         )
@@ -1096,19 +1130,24 @@ def _check_lengths(lengths: np.ndarray, limit: int, param: str) -> None:
 
 
 def _pack_ids(
-    rows: list[list[int]], vocab_size: int, limit: int, truncate: bool, left: bool = False
+    rows: list[list[int]],
+    vocab_size: int,
+    limit: int,
+    truncate: bool,
+    left: bool = False,
+    fields: Fields = OPENAI_FIELDS,
 ) -> tuple[np.ndarray, np.ndarray]:
     if truncate:  # token ids carry no special tokens of ours: cut them as they are
         rows = [r[-limit:] if left else r[:limit] for r in rows]
     lengths = np.fromiter((len(r) for r in rows), dtype=np.uint32, count=len(rows))
     if not truncate:
-        _check_lengths(lengths, limit, "input")
+        _check_lengths(lengths, limit, fields.input, fields.truncate)
     ids = np.fromiter(
         (i for r in rows for i in r), dtype=np.int64, count=int(lengths.sum(dtype=np.int64))
     )
     if vocab_size and ids.size and int(ids.max()) >= vocab_size:
         raise ValidationError(
             f"Token id {int(ids.max())} is outside the vocabulary (size {vocab_size}).",
-            param="input",
+            param=fields.input,
         )
     return ids.astype(np.uint32), lengths

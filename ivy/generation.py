@@ -70,6 +70,8 @@ __all__ = [
 _COMPLETIONS_MAX_TOKENS = 16
 # Rendered prompts longer than this are tokenized on a worker thread.
 _INLINE_CHARS = 4096
+# a top_p under every token's share of a vocabulary (< 1 / 10**8) keeps only the likeliest
+_GREEDY_TOP_P = 1e-8
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -388,8 +390,10 @@ class GenerationService:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         temperature = 1.0 if req.temperature is None else req.temperature
         top_p = 1.0 if req.top_p is None else req.top_p
-        if top_p == 0.0:
-            temperature = 0.0  # only the likeliest token is left: greedy
+        if top_p < _GREEDY_TOP_P:
+            # only the likeliest token is left (whose probability is >= 1 / vocabulary):
+            # greedy. The wire's float32 would round a tinier top_p to 0, which means unset.
+            temperature, top_p = 0.0, 1.0
         sampling = pb.SamplingOptions(
             max_tokens=max_tokens or 0,
             temperature=temperature,

@@ -54,6 +54,136 @@ class JsonFormat:
                 raise GrammarError(f"json_schema: not valid JSON ({exc})") from None
             if not isinstance(parsed, dict):
                 raise GrammarError("json_schema: a JSON Schema is an object")
+            reason = _unenforced(parsed, "#")
+            if reason is not None:
+                raise GrammarError(
+                    f"json_schema: {reason}, which the grammar engine cannot hold an answer "
+                    "to (an answer could break the schema)"
+                )
+
+
+# Keywords that assert nothing (jsonschema ignores them when validating), or hold subschemas
+# checked on their own.
+_ANNOTATIONS = frozenset(
+    {"title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor"}
+    | {"deprecated", "readOnly", "writeOnly", "contentEncoding", "contentMediaType"}
+    | {"$defs", "definitions"}
+)
+# Keywords xgrammar 0.2 ignores or treats loosely (oneOf as anyOf), measured by compiling a
+# schema with each and matching an answer that breaks only that keyword.
+_NEVER = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "oneOf",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "contains",
+    "minContains",
+    "maxContains",
+    "additionalItems",
+    "$dynamicRef",
+    "$recursiveRef",
+)
+# Keywords that stand alone in a schema (xgrammar ignores what stands beside them).
+_ALONE = ("$ref", "anyOf", "allOf", "enum", "const")
+_NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_STRING = ("minLength", "maxLength", "pattern")
+_JSON_TYPES = {
+    "string": (str,),
+    "boolean": (bool,),
+    "null": (type(None),),
+    "object": (dict,),
+    "array": (list,),
+}
+
+
+def _of_type(value: object, name: object) -> bool:
+    if name in ("integer", "number"):
+        return (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and (name == "number" or float(value).is_integer())
+        )
+    return isinstance(value, _JSON_TYPES.get(str(name), ()))
+
+
+def _unenforced(node: object, at: str) -> str | None:
+    """The first keyword of JSON Schema ``node`` (at JSON pointer ``at``) that the grammar
+    would not enforce, described; None when every keyword is held. Malformed schemas pass
+    here and are refused by the compiler."""
+    if not isinstance(node, dict):
+        return None
+    for key in _NEVER:
+        if key in node:
+            return f"`{key}` at {at} is not supported" + (
+                " (use anyOf with alternatives that exclude each other)" if key == "oneOf" else ""
+            )
+    if node.get("uniqueItems") is True:
+        return f"`uniqueItems` at {at} is not supported"
+    asserting = set(node) - _ANNOTATIONS - {"format"}
+    for key in _ALONE:
+        if key not in node:
+            continue
+        beside = asserting - {key}
+        values = node[key] if key == "enum" else [node[key]]
+        if key in ("enum", "const") and beside == {"type"} and isinstance(values, list):
+            if all(_of_type(v, node["type"]) for v in values):
+                beside = set()  # the type says nothing the values do not
+        if beside:
+            return f"`{sorted(beside)[0]}` beside `{key}` at {at} is not supported"
+    if "allOf" in node and isinstance(node["allOf"], list) and len(node["allOf"]) != 1:
+        return f"`allOf` of {len(node['allOf'])} schemas at {at} is not supported (only 1)"
+    kind = node.get("type")
+    numeric = [k for k in _NUMERIC if k in node]
+    string = [k for k in _STRING if k in node]
+    if (numeric or string) and not isinstance(kind, str):
+        return f"`{(numeric + string)[0]}` at {at} is supported under one `type` only"
+    if kind == "number" and "multipleOf" in node:
+        return f"`multipleOf` on a number at {at} is not supported (integers only)"
+    if kind == "integer" and "multipleOf" in node and len(numeric) > 1:
+        return f"`multipleOf` beside `{numeric[0]}` at {at} is not supported"
+    if kind == "string" and len(string) + ("format" in node) > 1:
+        if "format" in node:
+            return f"`{string[0]}` beside `format` at {at} is not supported"
+        if "pattern" in node:
+            return f"`{[k for k in string if k != 'pattern'][0]}` beside `pattern` at {at} is not supported"
+    props = node.get("properties")
+    required = node.get("required")
+    if isinstance(required, list):
+        named = props if isinstance(props, dict) else {}
+        missing = [r for r in required if r not in named]
+        if missing:
+            return (
+                f"`required` property {missing[0]!r} at {at} is not in `properties`, "
+                "which is not supported"
+            )
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
+        children = node.get(key)
+        if isinstance(children, dict):
+            for name, child in children.items():
+                found = _unenforced(child, f"{at}/{key}/{name}")
+                if found:
+                    return found
+    for key in ("anyOf", "allOf", "prefixItems"):
+        children = node.get(key)
+        if isinstance(children, list):
+            for i, child in enumerate(children):
+                found = _unenforced(child, f"{at}/{key}/{i}")
+                if found:
+                    return found
+    names = node.get("propertyNames")
+    if isinstance(names, dict):  # it describes the keys: strings
+        found = _unenforced({"type": "string", **names}, f"{at}/propertyNames")
+        if found:
+            return found
+    for key in ("items", "additionalProperties", "unevaluatedItems"):
+        found = _unenforced(node.get(key), f"{at}/{key}")
+        if found:
+            return found
+    return None
 
 
 class Grammars:

@@ -23,6 +23,7 @@ import torch
 from rose.grammar import JsonFormat
 
 __all__ = [
+    "GREEDY_TEMPERATURE",
     "MAX_TOP_LOGPROBS",
     "FinishReason",
     "SamplingParams",
@@ -36,13 +37,17 @@ __all__ = [
 FinishReason = str  # "stop" (EOS / stop string / stop token) or "length" (max_tokens)
 
 MAX_TOP_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
+GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily (`SamplingParams.greedy`)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops.
 
-    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    temperature: below `GREEDY_TEMPERATURE` (0 included) greedy (argmax); otherwise logits
+    are divided by it. (Dividing fp32 logits by a smaller one overflows to inf and NaN, and
+    its distribution is one-hot at the argmax to fp32 precision anyway: vLLM draws the same
+    line.)
     top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass (1.0 = off).
     seed: seeds this request's own generator (None = nondeterministic).
     max_tokens: most tokens generated. stop: strings that end generation (the text is cut
@@ -84,7 +89,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)

@@ -735,3 +735,18 @@ def test_no_op_values_and_harmless_unknown_fields_are_accepted(
 ) -> None:
     r = stack.client.post(CHAT, json={**GOOD[CHAT], **fields})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path", ["/health/live", "/health/ready", MODELS, "/info", "/metrics"])
+def test_head_answers_wherever_get_does(stack: Stack, path: str) -> None:
+    """RFC 9110: a server that answers GET answers HEAD, with GET's status and headers and
+    no body; a wrong method's 405 lists both."""
+    get = raw_request(stack, Case(f"get:{path}", "GET", path, 200))
+    head = raw_request(stack, Case(f"head:{path}", "HEAD", path, 200))
+    assert get.status == head.status == 200, (get.status, head.status, get.body[:300])
+    assert head.body == b"" and get.body
+    assert head.headers["content-type"] == get.headers["content-type"]
+    if path != "/metrics":  # the metrics text grows between the two requests
+        assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.body))
+    post = raw_request(stack, Case(f"post:{path}", "POST", path, 405, body=b"{}"))
+    assert post.status == 405 and post.headers["allow"] == "GET, HEAD", post.headers

@@ -277,9 +277,51 @@ def test_truncation_from_the_left_keeps_the_end_of_the_text(
             )
             assert cosines(got, want).min() >= COSINE
             assert cosines(got, not_want).max() < 0.99
-        # Without truncate (and no --auto-truncate): a 400 naming the limit.
-        r = client.post("/embed", json={"inputs": long_text})
-        assert r.status_code == 400 and "512" in r.json()["error"]["message"]
+        # Without truncate (and no --auto-truncate): a 400 naming the limit, the route's own
+        # field and the route's own way to ask for a cut.
+        for path, body, param, fix in (
+            ("/embed", {"inputs": long_text}, "inputs", "`truncate: true`"),
+            ("/v1/embeddings", {"model": name, "input": long_text}, "input", "`truncate: true`"),
+            (
+                "/v2/embed",
+                {
+                    "model": name,
+                    "texts": [long_text],
+                    "input_type": "search_query",
+                    "truncate": "NONE",
+                },
+                "texts",
+                '`truncate: "END"`',
+            ),
+        ):
+            r = client.post(path, json=body)
+            assert r.status_code == 400, (path, r.text)
+            error = r.json()["error"]
+            assert "512" in error["message"] and fix in error["message"], (path, error)
+            assert error["param"] == param and error["code"] == "context_length_exceeded", error
+
+
+def test_a_flat_list_of_token_ids_is_one_input_whatever_its_length(
+    base: str, name: str, oracle
+) -> None:  # noqa: ANN001
+    """3000 ids in one flat list are one input (cut to 512 with truncate), not 3000 inputs
+    over the 2048-input limit; the nested form gives the same vector."""
+    ids = [100] * 2999 + [2]
+    want = oracle.embed_ids([ids[:512]])
+    with httpx.Client(base_url=base, timeout=60) as client:
+        for path, body in (
+            ("/v1/embeddings", {"model": name, "input": ids, "truncate": True}),
+            ("/v1/embeddings", {"model": name, "input": [ids], "truncate": True}),
+            ("/embed", {"inputs": ids, "truncate": True}),
+        ):
+            r = client.post(path, json=body)
+            assert r.status_code == 200, (path, r.text)
+            got = (
+                decode(r.json()["data"], "float")
+                if path == "/v1/embeddings"
+                else np.array(r.json(), dtype=np.float32)
+            )
+            assert got.shape[0] == 1 and cosines(got, want).min() >= COSINE
 
 
 def test_tei_embed_and_info(base: str, name: str, oracle, model_dir: Path) -> None:  # noqa: ANN001

@@ -8,7 +8,7 @@ import torch
 from scipy.stats import chisquare
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from rose.sampling import SamplingParams, StopChecker, sample, token_probs
+from rose.sampling import GREEDY_TEMPERATURE, SamplingParams, StopChecker, sample, token_probs
 from rose.spec.acceptance import accept_deterministic, accept_drafts, accept_greedy
 
 N = 100_000
@@ -156,6 +156,19 @@ def test_seeded_sampling_is_reproducible_and_follows_probs() -> None:
     counts = torch.bincount(a, minlength=3).double()
     expected = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64) * N
     assert chisquare(counts.numpy(), expected.numpy()).pvalue > 0.01
+
+
+def test_temperatures_too_small_to_divide_by_are_greedy() -> None:
+    """1e-40 is a float32 subnormal: logits divided by it overflow to inf, and the draw failed
+    with NaN probabilities for the whole batch. Below GREEDY_TEMPERATURE it is the argmax."""
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.5, -1.0, 0.25]])
+    for t in (1e-40, 1e-38, 1e-6):
+        params = SamplingParams(temperature=t)
+        assert params.greedy
+        assert torch.equal(token_probs(logits, params), torch.eye(3)[[1, 0]])
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE).greedy
+    warm = token_probs(logits, SamplingParams(temperature=GREEDY_TEMPERATURE))
+    assert torch.isfinite(warm).all()
 
 
 def test_sampling_params_errors_name_the_key() -> None:

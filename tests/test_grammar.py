@@ -5,6 +5,7 @@ equal the masks of the same tokens fed one by one; a forbidden draft ends the va
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import jsonschema
@@ -172,6 +173,93 @@ def test_masks_apply_to_bf16_logits_like_fp32(grammars: Grammars) -> None:
 def test_bad_schemas_are_named(grammars: Grammars, schema: str, said: str) -> None:
     with pytest.raises(GrammarError, match=said):
         grammars.state(JsonFormat(schema))
+
+
+# (schema, an answer that breaks it, the keyword the refusal names): xgrammar's grammar for
+# each schema lets that answer through, so these are refused before any token is masked.
+UNENFORCED = [
+    (
+        {
+            "type": "array",
+            "items": {"type": "integer", "enum": [1, 2, 3]},
+            "uniqueItems": True,
+            "minItems": 3,
+            "maxItems": 3,
+        },
+        [1, 1, 1],
+        "uniqueItems",
+    ),
+    ({"type": "integer", "multipleOf": 7, "maximum": 100}, 11, "multipleOf"),
+    ({"type": "number", "multipleOf": 0.5}, 0.3, "multipleOf"),
+    ({"type": "object", "properties": {}, "required": ["zz"]}, {}, "required"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, 1, "oneOf"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, 1, "allOf"),
+    ({"not": {}}, 1, "not"),
+    ({"if": {"type": "integer"}, "then": {"minimum": 5}}, 1, "if"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, [1], "contains"),
+    ({"$defs": {"x": {"type": "integer"}}, "$ref": "#/$defs/x", "minimum": 3}, 1, "minimum"),
+    ({"type": "string", "enum": ["a", 1]}, 1, "type"),
+    ({"type": "string", "pattern": "^a*$", "minLength": 2}, "a", "minLength"),
+    ({"type": "string", "format": "email", "pattern": "^z"}, "a@b.com", "pattern"),
+    ({"minimum": 3}, 1, "minimum"),
+    (
+        {
+            "type": "object",
+            "properties": {
+                "a": {
+                    "type": "array",
+                    "items": {"enum": [1, 2]},
+                    "minItems": 2,
+                    "maxItems": 2,
+                    "uniqueItems": True,
+                }
+            },
+        },
+        {"a": [1, 1]},
+        "uniqueItems` at #/properties/a",
+    ),
+]
+
+
+@pytest.mark.parametrize(("schema", "answer", "keyword"), UNENFORCED)
+def test_keywords_the_grammar_cannot_hold_are_refused(
+    schema: dict[str, object], answer: object, keyword: str
+) -> None:
+    """A json_schema request promises an answer that validates; where the grammar engine
+    would let a breaking answer through, the format is a 400 naming the keyword instead."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    text = json.dumps(schema)
+    assert not jsonschema.Draft202012Validator(schema).is_valid(answer)
+    loose = xgrammar.Grammar.from_json_schema(text, any_whitespace=False)
+    assert _is_grammar_accept_string(loose, json.dumps(answer))  # compact: ", " and ": "
+    with pytest.raises(GrammarError, match=f"json_schema: .*`{re.escape(keyword)}"):
+        JsonFormat(text)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        *SCHEMAS,
+        {"enum": ["red", "green"], "title": "Colour", "type": "string"},  # a pydantic Enum
+        {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "Note"},
+        {
+            "$defs": {"Item": {"type": "object", "properties": {"n": {"type": "integer"}}}},
+            "type": "object",
+            "properties": {"item": {"$ref": "#/$defs/Item", "description": "one item"}},
+            "required": ["item"],
+        },
+        {"type": "string", "minLength": 2, "maxLength": 8},
+        {"type": "integer", "multipleOf": 5},
+        {"type": "string", "format": "date", "description": "ISO date"},
+        {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
+    ],
+)
+def test_schemas_the_grammar_holds_are_accepted(
+    grammars: Grammars, schema: dict[str, object]
+) -> None:
+    grammars.state(JsonFormat(json.dumps(schema)))  # compiles: no GrammarError
 
 
 def test_drafts_are_masked_before_the_target_verifies_them(

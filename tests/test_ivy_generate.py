@@ -385,6 +385,31 @@ def test_seeded_sampling_repeats(base: str, name: str) -> None:
     assert a.usage.completion_tokens >= 1
 
 
+def test_vanishing_temperature_and_top_p_are_greedy_and_spare_the_batch(
+    base: str, name: str, oracle: Oracle
+) -> None:
+    """A temperature of 1e-40 (a float32 subnormal on the wire) once made the replica's
+    sampler divide by it, fail the step with NaN probabilities and answer 502 to every
+    request in the batch; a top_p of 1e-46 rounded to 0 (= unset) and sampled freely. Both
+    are greedy, and greedy neighbours in the same batches are answered."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    want, _, _ = oracle.greedy(oracle.chat_ids(CHAT), 12)
+    bodies = [{"temperature": 1e-40}, {"temperature": 1e-38}, {"top_p": 1e-46}] + [
+        {"temperature": 0}
+    ] * 3
+
+    def ask(extra: dict[str, Any]) -> httpx.Response:
+        body = {"model": name, "messages": CHAT, "max_tokens": 12, **extra}
+        return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(ask, bodies))
+    for extra, r in zip(bodies, answers, strict=True):
+        assert r.status_code == 200, (extra, r.text)
+        assert r.json()["choices"][0]["message"]["content"] == want, extra
+
+
 # ---- completions -----------------------------------------------------------------------
 
 
@@ -960,6 +985,26 @@ def test_chat_json_object_gives_an_object(base: str, name: str) -> None:
         (
             {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
             'Unsupported type "nonsense"',  # the replica's grammar compiler refused it
+        ),
+        (  # a keyword the grammar would not hold the answer to: refused, never broken
+            {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+                },
+            },
+            "`uniqueItems` at # is not supported",
+        ),
+        (
+            {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {}, "required": ["zz"]},
+                },
+            },
+            "`required` property 'zz'",
         ),
     ],
 )
