@@ -58,7 +58,7 @@ from ivy.middleware import (
 from ivy.models import ServedModel
 from ivy.openapi import document
 from ivy.replicas import ReplicaPool
-from ivy.routes import Reply, Route
+from ivy.routes import Reply, Route, match_path
 from ivy.schemas import (
     VERSION,
     CohereEmbedRequest,
@@ -68,6 +68,7 @@ from ivy.schemas import (
     EmbeddingRequest,
     EmbeddingResponse,
     Health,
+    ModelCard,
     ModelList,
     Readiness,
     RerankRequest,
@@ -132,14 +133,28 @@ def error_for(exc: Exception, path: str) -> IvyError:
     return InternalError()
 
 
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _union_tag(part: object) -> bool:
+    """Whether a part of a pydantic error location names a member of a union (``str``,
+    ``RerankDocument``, ``list[constrained-int]``) rather than a field or an index."""
+    return isinstance(part, str) and (
+        part in _UNION_TAGS or "[" in part or "-" in part or part[:1].isupper()
+    )
+
+
 def _validation_error(exc: pydantic.ValidationError) -> ValidationError:
     errors = exc.errors(include_url=False, include_context=False, include_input=False)
-    first = errors[0]
-    param = str(first["loc"][0]) if first["loc"] else None
+    param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None
     forms = _FORMS.get(param or "")
     if forms is not None and (len(errors) > 1 or param != "input"):
         return ValidationError(forms, param=param)
-    where = ".".join(str(p) for p in first["loc"])
+    # A value that fits no member of a union fails once per member: report the member it
+    # got furthest into (the deepest location; then an error past the type check, such as
+    # "too short", over "should be a string"), located without the members' names.
+    first = max(errors, key=lambda e: (len(e["loc"]), not str(e["type"]).endswith("_type")))
+    where = ".".join(str(p) for p in first["loc"] if not _union_tag(p))
     text = first["msg"].removeprefix("Value error, ")  # a validator's own words
     message = f"Invalid '{where}': {text}." if where else f"{text[:1].upper()}{text[1:]}."
     return ValidationError(message, param=param)
@@ -235,6 +250,9 @@ def route_table(app: IvyApp) -> list[Route]:
 
     async def models(_: None) -> Reply:
         return Reply(gateway().list_models())
+
+    async def model_card(params: dict[str, str]) -> Reply:
+        return Reply(gateway().model_card(params["model"]))
 
     async def live(_: None) -> Reply:
         return Reply(Health("ok"))
@@ -365,6 +383,15 @@ def route_table(app: IvyApp) -> list[Route]:
         ),
         *generation_routes(service),
         Route("GET", "/v1/models", models, None, ModelList, "Served models", errors=(401,)),
+        Route(
+            "GET",
+            "/v1/models/{model}",
+            model_card,
+            None,
+            ModelCard,
+            "One served model (404 model_not_found for others)",
+            errors=(401, 404),
+        ),
         Route("GET", "/health/live", live, None, Health, "Liveness", public=True, errors=()),
         Route(
             "GET",
@@ -467,14 +494,14 @@ class IvyApp:
         if scope["type"] != "http":
             return  # no websockets: the server closes the connection
         path = scope["path"]
-        route = self._routes.get((scope["method"], path))
+        matched = match_path(path, self._methods)
+        route = self._routes.get((scope["method"], matched[0])) if matched else None
         try:
             if route is None:
-                allowed = self._methods.get(path)
-                if allowed is None:
+                if matched is None:
                     raise NotFoundError(f"No route {path}.")
-                raise MethodNotAllowedError(scope["method"], allowed)
-            request = None
+                raise MethodNotAllowedError(scope["method"], self._methods[matched[0]])
+            request: Any = matched[1] if matched[1] else None  # path parameters
             if route.request is not None:
                 request = _parse(await read_body(receive), route.request)
             reply = await route.handler(request)

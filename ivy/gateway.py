@@ -939,7 +939,10 @@ class Gateway:
         return TokenizeResponse(model.name, data, Usage(total, total))
 
     def list_models(self) -> ModelList:
-        return ModelList([ModelCard(name, self.created, "trellis") for name in self.models])
+        return ModelList([self.model_card(name) for name in self.models])
+
+    def model_card(self, name: str) -> ModelCard:
+        return ModelCard(self.model(name).name, self.created, "trellis")
 
 
 def quantize_int8(vectors: np.ndarray) -> np.ndarray:

@@ -30,6 +30,7 @@ from collections.abc import Collection
 from ivy.asgi import ASGIApp, Message, Receive, Scope, Send, header, send_json
 from ivy.errors import CLIENT_CLOSED, AuthenticationError, BodyTooLargeError, request_id
 from ivy.metrics import Metrics
+from ivy.routes import match_path
 from protos import tracing
 
 __all__ = [
@@ -47,10 +48,11 @@ _CLIENT_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,64}$")
 
 
 def route_label(scope: Scope, routes: frozenset[str]) -> str:
-    """The request's path when it is a route, else "other" (metric labels and span names
-    stay a bounded set, whatever paths clients send)."""
-    path: str = scope["path"]
-    return path if path in routes else "other"
+    """The request's route path (a template such as ``/v1/models/{model}`` for the paths it
+    takes), else "other": metric labels and span names stay a bounded set, whatever paths
+    clients send."""
+    matched = match_path(scope["path"], routes)
+    return matched[0] if matched else "other"
 
 
 class RequestId:

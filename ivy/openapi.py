@@ -67,10 +67,16 @@ class _Components:
 def _operation(route: Route, components: _Components, served: list[str]) -> dict[str, Any]:
     op: dict[str, Any] = {
         "summary": route.summary,
-        "operationId": f"{route.method.lower()}{route.path.replace('/', '_')}",
+        "operationId": route.method.lower()
+        + route.path.replace("/", "_").replace("{", "").replace("}", ""),
     }
     if route.description:
         op["description"] = route.description
+    _, brace, name = route.path.partition("{")
+    if brace:  # the last segment: a served model's name
+        op["parameters"] = [
+            {"name": name.rstrip("}"), "in": "path", "required": True, "schema": {"type": "string"}}
+        ]
     if route.request is not None:
         ref = components.ref(route.request, "validation")
         # Only the served names are accepted (others answer 404 model_not_found).

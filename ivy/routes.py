@@ -1,7 +1,8 @@
 """What a route is: one entry of Ivy's route table (`ivy.app.route_table`).
 
 An entry names its method and path, the pydantic model its JSON body is validated with
-(None: no body), the handler, the dataclass its answer serializes from (which documents
+(None: no body; a path whose last segment is a ``{parameter}`` hands the handler that rest
+of the path, slashes included, as ``{"parameter": value}`` instead), the handler, the dataclass its answer serializes from (which documents
 the 200 in /openapi.json), and, for routes that can stream, the event's dataclass. The
 same entries serve requests (`ivy.app.IvyApp`), generate /openapi.json (`ivy.openapi`),
 label metrics and say which paths are public. Adding a route is adding an entry.
@@ -9,7 +10,7 @@ label metrics and say which paths are public. Adding a route is adding an entry.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,7 @@ import pydantic
 
 from ivy.sse import Stream
 
-__all__ = ["Handler", "Reply", "Route"]
+__all__ = ["Handler", "Reply", "Route", "match_path"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,3 +50,16 @@ class Route:
     public: bool = False  # served without an API key (probes, metrics, the API document)
     errors: tuple[int, ...] = (400, 401, 404, 413, 429, 503)
     media_type: str = "application/json"  # of the 200, when it is not JSON
+
+
+def match_path(path: str, paths: Collection[str]) -> tuple[str, dict[str, str]] | None:
+    """The route path of ``paths`` that ``path`` is, and its path parameters: ``path`` itself
+    with none, or a template such as ``/v1/models/{model}`` whose parameter takes the rest
+    of ``path`` (at least one character; a Hub id's slash included); None when neither."""
+    if path in paths:
+        return path, {}
+    for route in paths:
+        head, brace, name = route.partition("{")
+        if brace and path.startswith(head) and len(path) > len(head):
+            return route, {name.rstrip("}"): path[len(head) :]}
+    return None

@@ -750,3 +750,25 @@ def test_head_answers_wherever_get_does(stack: Stack, path: str) -> None:
         assert head.headers["content-length"] == get.headers["content-length"] == str(len(get.body))
     post = raw_request(stack, Case(f"post:{path}", "POST", path, 405, body=b"{}"))
     assert post.status == 405 and post.headers["allow"] == "GET, HEAD", post.headers
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "where"),
+    [
+        ("/v2/rerank", {"query": "q", "documents": [{"text": 5}]}, "documents", "documents.0.text"),
+        (CHAT, {"messages": [{"role": "user", "content": []}]}, "messages", "messages.0.content"),
+        ("/decode", {"ids": [[]]}, "ids", "ids.0"),
+    ],
+    ids=["rerank-document-text", "chat-empty-content", "decode-empty-row"],
+)
+def test_a_value_that_fits_no_union_member_is_located_by_its_own_fields(
+    stack: Stack, path: str, body: dict[str, Any], param: str, where: str
+) -> None:
+    """A field that takes a string or an object (or lists of either) fails once per member;
+    the message names the place in the request, not pydantic's member names ('str',
+    'list[constrained-int]')."""
+    good = GOOD.get(path, {"model": E5} if path != CHAT else GOOD[CHAT])
+    r = stack.client.post(path, json={"model": good["model"], **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and f"Invalid '{where}':" in error["message"], error

@@ -169,6 +169,13 @@ def test_openai_client(base: str, name: str, oracle) -> None:  # noqa: ANN001
     with pytest.raises(NotFoundError) as info:
         client.embeddings.create(model="no-such-model", input="x")
     assert info.value.code == "model_not_found"
+    # models.list and models.retrieve (GET /v1/models/{model})
+    assert [m.id for m in client.models.list()] == [name]
+    card = client.models.retrieve(name)
+    assert (card.id, card.object, card.owned_by) == (name, "model", "trellis")
+    with pytest.raises(NotFoundError) as info:
+        client.models.retrieve("no-such/model")  # a Hub-style id: the slash is the name's
+    assert info.value.code == "model_not_found"
 
 
 def test_cohere_client_rerank(base: str, name: str, oracle) -> None:  # noqa: ANN001

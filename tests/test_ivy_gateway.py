@@ -473,6 +473,9 @@ def test_hot_routes_are_counted_like_the_others(client: httpx.Client) -> None:
 def test_models_tokenize_health_and_openapi(client: httpx.Client, oracle_tok: Tokenizer) -> None:
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["fake"]
+    assert client.get("/v1/models/fake").json() == models["data"][0]
+    assert assert_error(client.get("/v1/models/fak"), 404, "model")["code"] == "model_not_found"
+    assert_error(client.get("/v1/models/"), 404)  # no name: no route
     r = client.post("/tokenize", json={"model": "fake", "input": ["w1 w22", "w3"]})
     assert r.status_code == 200, r.text
     data = r.json()["data"]
