@@ -67,7 +67,7 @@ class JsonFormat:
 _ANNOTATIONS = frozenset(
     {"title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor"}
     | {"deprecated", "readOnly", "writeOnly", "contentEncoding", "contentMediaType"}
-    | {"$defs", "definitions"}
+    | {"$defs", "definitions", "discriminator"}
 )
 # Keywords xgrammar 0.2 ignores or treats loosely (oneOf as anyOf), measured by compiling a
 # schema with each and matching an answer that breaks only that keyword.
@@ -76,7 +76,6 @@ _NEVER = (
     "if",
     "then",
     "else",
-    "oneOf",
     "dependentRequired",
     "dependentSchemas",
     "dependencies",
@@ -88,7 +87,7 @@ _NEVER = (
     "$recursiveRef",
 )
 # Keywords that stand alone in a schema (xgrammar ignores what stands beside them).
-_ALONE = ("$ref", "anyOf", "allOf", "enum", "const")
+_ALONE = ("$ref", "anyOf", "oneOf", "allOf", "enum", "const")
 _NUMERIC = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 _STRING = ("minLength", "maxLength", "pattern")
 _JSON_TYPES = {
@@ -110,17 +109,63 @@ def _of_type(value: object, name: object) -> bool:
     return isinstance(value, _JSON_TYPES.get(str(name), ()))
 
 
-def _unenforced(node: object, at: str) -> str | None:
-    """The first keyword of JSON Schema ``node`` (at JSON pointer ``at``) that the grammar
-    would not enforce, described; None when every keyword is held. Malformed schemas pass
-    here and are refused by the compiler."""
+def _resolve(node: object, root: dict) -> object:
+    """``node`` with its local ``$ref`` chain (``#/$defs/...``) followed in ``root``."""
+    for _ in range(16):
+        ref = node.get("$ref") if isinstance(node, dict) else None
+        if not (isinstance(ref, str) and ref.startswith("#/")):
+            break
+        node = root
+        for part in ref[2:].split("/"):
+            key = part.replace("~1", "/").replace("~0", "~")
+            node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def _tagged_union(node: dict, root: dict) -> bool:
+    """Whether ``node``'s ``oneOf`` is a discriminated union (pydantic's shape): each
+    alternative an object that requires the ``discriminator.propertyName`` property with
+    constant values no other alternative has, so no answer can match two of them and the
+    grammar's reading of oneOf as anyOf is exact."""
+    tag = node.get("discriminator")
+    tag = tag.get("propertyName") if isinstance(tag, dict) else None
+    alternatives = node.get("oneOf")
+    if not isinstance(tag, str) or not isinstance(alternatives, list):
+        return False
+    seen: set[str] = set()
+    for alternative in alternatives:
+        alternative = _resolve(alternative, root)
+        if not isinstance(alternative, dict) or tag not in alternative.get("required", ()):
+            return False
+        props = alternative.get("properties")
+        prop = _resolve(props.get(tag) if isinstance(props, dict) else None, root)
+        if not isinstance(prop, dict):
+            return False
+        values = [prop["const"]] if "const" in prop else prop.get("enum")
+        if not isinstance(values, list) or not values:
+            return False
+        keys = {json.dumps(v, sort_keys=True) for v in values}
+        if keys & seen:
+            return False
+        seen |= keys
+    return True
+
+
+def _unenforced(node: object, at: str, root: dict | None = None) -> str | None:
+    """The first keyword of JSON Schema ``node`` (at JSON pointer ``at`` of ``root``, the
+    whole schema) that the grammar would not enforce, described; None when every keyword is
+    held. Malformed schemas pass here and are refused by the compiler."""
     if not isinstance(node, dict):
         return None
+    root = node if root is None else root
     for key in _NEVER:
         if key in node:
-            return f"`{key}` at {at} is not supported" + (
-                " (use anyOf with alternatives that exclude each other)" if key == "oneOf" else ""
-            )
+            return f"`{key}` at {at} is not supported"
+    if "oneOf" in node and not _tagged_union(node, root):
+        return (
+            f"`oneOf` at {at} is not supported unless it is a discriminated union (use anyOf "
+            "with alternatives that exclude each other)"
+        )
     if node.get("uniqueItems") is True:
         return f"`uniqueItems` at {at} is not supported"
     asserting = set(node) - _ANNOTATIONS - {"format"}
@@ -164,23 +209,23 @@ def _unenforced(node: object, at: str) -> str | None:
         children = node.get(key)
         if isinstance(children, dict):
             for name, child in children.items():
-                found = _unenforced(child, f"{at}/{key}/{name}")
+                found = _unenforced(child, f"{at}/{key}/{name}", root)
                 if found:
                     return found
-    for key in ("anyOf", "allOf", "prefixItems"):
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
         children = node.get(key)
         if isinstance(children, list):
             for i, child in enumerate(children):
-                found = _unenforced(child, f"{at}/{key}/{i}")
+                found = _unenforced(child, f"{at}/{key}/{i}", root)
                 if found:
                     return found
     names = node.get("propertyNames")
     if isinstance(names, dict):  # it describes the keys: strings
-        found = _unenforced({"type": "string", **names}, f"{at}/propertyNames")
+        found = _unenforced({"type": "string", **names}, f"{at}/propertyNames", root)
         if found:
             return found
     for key in ("items", "additionalProperties", "unevaluatedItems"):
-        found = _unenforced(node.get(key), f"{at}/{key}")
+        found = _unenforced(node.get(key), f"{at}/{key}", root)
         if found:
             return found
     return None

@@ -262,6 +262,33 @@ def test_schemas_the_grammar_holds_are_accepted(
     grammars.state(JsonFormat(json.dumps(schema)))  # compiles: no GrammarError
 
 
+def test_a_discriminated_union_may_use_one_of() -> None:
+    """pydantic writes a tagged union as ``oneOf`` + ``discriminator``: its alternatives
+    require distinct constants, so no answer matches two and the grammar's anyOf reading
+    of it is exact; the same union with a shared tag is refused."""
+    from typing import Annotated, Literal
+
+    import pydantic
+
+    class Cat(pydantic.BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(pydantic.BaseModel):
+        kind: Literal["dog"]
+        bark: str
+
+    class Owner(pydantic.BaseModel):
+        pet: Annotated[Cat | Dog, pydantic.Field(discriminator="kind")]
+
+    schema = Owner.model_json_schema()
+    assert "oneOf" in schema["properties"]["pet"]
+    JsonFormat(json.dumps(schema))  # accepted
+    schema["$defs"]["Dog"]["properties"]["kind"]["const"] = "cat"
+    with pytest.raises(GrammarError, match="`oneOf` at #/properties/pet"):
+        JsonFormat(json.dumps(schema))
+
+
 def test_drafts_are_masked_before_the_target_verifies_them(
     grammars: Grammars,
     tokenizer,  # noqa: ANN001
