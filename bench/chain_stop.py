@@ -69,12 +69,12 @@ def main(argv: list[str]) -> int:
     max_tokens = bench_spec._flag(argv, "max-tokens", 96)
     k = bench_spec._flag(argv, "k", 5)
     torch.set_num_threads(1)
-    head_dir = default_head_dir("smollm2-135m-instruct")
-    if not (head_dir / "model.safetensors").is_file():
-        print(
-            f"bench chain_stop: skipped, no trained head in {head_dir} "
-            "(python -m rose.spec.train_mtp, or python -m bench spec --train-head)"
-        )
+    # the trained head in the default directory, else the one Trellis ships (as bench spec)
+    head_dir = bench_spec._ensure_head(
+        default_head_dir("smollm2-135m-instruct"), train=False, default=True
+    )
+    if head_dir is None:
+        print("bench chain_stop: skipped, no MTP head (python -m rose.spec.train_mtp)")
         return 0
     path = ensure_model("smollm2-135m-instruct")
     model = LlamaForCausalLM.from_pretrained(path)

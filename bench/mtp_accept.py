@@ -8,7 +8,8 @@ run must reproduce the no-speculation greedy output token for token.
 
     python -m bench mtp_accept [--max-tokens=96] [--k=3,4] [--head=DIR ...]
 
-Without ``--head`` it scores `rose.spec.train_mtp.default_head_dir`. Writes
+Without ``--head`` it scores the head in `rose.spec.train_mtp.default_head_dir`, else the one
+Trellis ships (as ``bench spec`` does). Writes
 bench/results/mtp_accept.md.
 """
 
@@ -77,7 +78,14 @@ def main(argv: list[str]) -> int:
             ks = [int(x) for x in a.split("=", 1)[1].split(",")]
         elif a.startswith("--head="):
             dirs.append(Path(a.split("=", 1)[1]).expanduser())
-    dirs = dirs or [default_head_dir("smollm2-135m-instruct")]
+    if not dirs:  # the trained head in the default directory, else the shipped one
+        from bench.spec import _ensure_head
+
+        found = _ensure_head(default_head_dir("smollm2-135m-instruct"), False, default=True)
+        dirs = [found] if found is not None else []
+    if not dirs:
+        print("bench mtp_accept: skipped, no MTP head (python -m rose.spec.train_mtp)")
+        return 0
     path = ensure_model("smollm2-135m-instruct")
     model = LlamaForCausalLM.from_pretrained(path)
     tok = transformers.AutoTokenizer.from_pretrained(path)

@@ -87,3 +87,29 @@ def test_command_line_reports_bad_configuration_and_exits_2() -> None:
     )
     assert done.returncode == 2
     assert "--max-batch-rows must be at least 1" in done.stderr
+
+
+def test_every_default_the_help_states_is_the_configs() -> None:
+    """`python -m tulip --help` says "(default X)" for most flags; each X is the dataclass's
+    own default (a help string once said 2 s of queue where the server used 1)."""
+    import dataclasses
+    import re
+
+    from tulip.config import TulipConfig, _parser
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TulipConfig)}
+    checked = 0
+    for action in _parser()._actions:
+        stated = re.search(r"\(default ([^ ;,)]+)\)", action.help or "")
+        if stated is None or defaults.get(action.dest) in (None, dataclasses.MISSING):
+            continue  # None: resolved from other flags (their help says how)
+        want = defaults[action.dest]
+        text = stated.group(1)
+        if isinstance(want, bool):
+            assert text == ("on" if want else "off"), (action.dest, text, want)
+        elif isinstance(want, int | float):
+            assert float(text) == want, (action.dest, text, want)
+        else:
+            assert text == str(want), (action.dest, text, want)
+        checked += 1
+    assert checked >= 10

@@ -353,7 +353,7 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--max-queue-seconds",
         type=float,
-        help="refuse work that would wait longer than this for the engine, 0: no bound (default 2)",
+        help="refuse work that would wait longer than this for the engine, 0: no bound (default 1)",
     )
     add(
         "--runner",
