@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -54,9 +55,12 @@ __all__ = [
     "CapacityError",
     "GenerationConfig",
     "GenerationEngine",
+    "GenerationFailed",
     "GenerationResult",
     "StepOutput",
 ]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -88,12 +92,19 @@ class GenerationConfig:
 @dataclass(frozen=True)
 class StepOutput:
     """Tokens a sequence emitted in one step; finish_reason set on its last step.
-    logprobs: one per new id when the request asked (`SamplingParams.logprobs`), else None."""
+    logprobs: one per new id when the request asked (`SamplingParams.logprobs`), else None.
+    error: why the sequence failed in this step on its own (its draw raised); it is dropped
+    from the engine, and the other sequences of the step go on (None: no failure)."""
 
     seq_id: int
     new_ids: list[int]
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class GenerationFailed(RuntimeError):
+    """`GenerationEngine.generate`: a request failed on its own (`StepOutput.error`)."""
 
 
 @dataclass(frozen=True)
@@ -250,6 +261,7 @@ class GenerationEngine:
         ]
         t0 = time.perf_counter()
         out = self.runner.forward(chunks, p.target_features if p is not None else False)
+        failed: dict[int, str] = {}  # seq_id -> why its draw failed (it alone)
         if chain is not None:
             verify_s = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -263,10 +275,12 @@ class GenerationEngine:
             greedy = any(s.request.params.greedy for s in batch)
             argmax = out.logits.argmax(-1).tolist() if greedy else []
             verify_s = time.perf_counter() - t0
-            outcomes = [self._accept(s, out, argmax, i) for i, s in enumerate(batch)]
+            outcomes, failed = self._accept_each(batch, out, argmax)
         logprobs = self._logprobs(batch, out, outcomes, scored) if scored else {}
         outputs: list[StepOutput] = []
         for i, (s, outcome) in enumerate(zip(batch, outcomes, strict=True)):
+            if s.request.seq_id in failed:
+                continue  # dropped below, whatever its state
             path = [] if outcome is None else self._until_stop(s.request, outcome[0])
             self._keep(s, path, emits=outcome is not None)
             if p is not None and chain is None:  # on the device, `settle` did this
@@ -276,6 +290,9 @@ class GenerationEngine:
         if any(s.drafts for s in batch):
             self.stats.verify_s += verify_s
         sched.retire(batch)
+        for seq_id, error in failed.items():
+            sched.abort(seq_id)
+            outputs.append(StepOutput(seq_id, [], None, error=error))
         return outputs
 
     def generate(
@@ -290,6 +307,8 @@ class GenerationEngine:
         }
         while any(reqs[i].finish_reason is None for i in ids):
             for o in self.step():
+                if o.error is not None and o.seq_id in reqs:
+                    raise GenerationFailed(f"sequence {o.seq_id}: {o.error}")
                 if o.logprobs is not None and o.seq_id in logprobs:
                     logprobs[o.seq_id].extend(o.logprobs)
         out = []
@@ -359,6 +378,23 @@ class GenerationEngine:
             if grammar is not None and s.emits:
                 row = out.rows[i]
                 grammar.mask_rows(out.logits[row : row + len(s.drafts) + 1], s.drafts)
+
+    def _accept_each(
+        self, batch: list[Scheduled], out: PassOutput, argmax: list[int]
+    ) -> tuple[list[tuple[list[int], int] | None], dict[int, str]]:
+        """`_accept` for each request of the batch on its own: one whose draw raises (its
+        sampling parameters, say) is reported by seq_id, and its neighbours' outcomes
+        stand."""
+        outcomes: list[tuple[list[int], int] | None] = []
+        failed: dict[int, str] = {}
+        for i, s in enumerate(batch):
+            try:
+                outcomes.append(self._accept(s, out, argmax, i))
+            except Exception as error:  # noqa: BLE001 - this request fails, not the step
+                log.exception("rose: sequence %d failed its draw", s.request.seq_id)
+                failed[s.request.seq_id] = f"{type(error).__name__}: {error}"
+                outcomes.append(None)
+        return outcomes, failed
 
     def _accept(
         self, s: Scheduled, out: PassOutput, argmax: list[int], i: int

@@ -314,3 +314,39 @@ def test_config_errors_name_the_key(target: LlamaForCausalLM) -> None:
         GenerationConfig(max_batch=0)
     with pytest.raises(ValueError, match="needs a drafter"):
         GenerationEngine(target, GenerationConfig(spec=SpecConfig(method="draft")))
+
+
+def test_a_request_whose_draw_fails_fails_alone(
+    target: LlamaForCausalLM, prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sequence whose draw raises (as NaN probabilities once made torch.multinomial do)
+    is dropped with its error; the greedy neighbour in the same steps finishes exactly as
+    alone, and every page comes back."""
+    import rose.generate as generate
+
+    cfg = GenerationConfig(max_batch=4)
+    alone = GenerationEngine(target, cfg).generate([prompts[0]], GREEDY)[0].output_ids
+    real = generate.accept
+
+    def draw(proposal, logits, argmax, params, generator):  # noqa: ANN001, ANN202
+        if params.seed == 13:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(proposal, logits, argmax, params, generator)
+
+    monkeypatch.setattr(generate, "accept", draw)
+    doomed = SamplingParams(max_tokens=8, temperature=1.0, seed=13)
+    eng = GenerationEngine(target, cfg)
+    good, bad = eng.add(prompts[0], GREEDY), eng.add(prompts[1], doomed)
+    emitted: dict[int, list[int]] = {good: [], bad: []}
+    errors: dict[int, str] = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.error is not None:
+                errors[o.seq_id] = o.error
+            else:
+                emitted[o.seq_id] += o.new_ids
+    assert list(errors) == [bad] and "inf, nan" in errors[bad]
+    assert emitted == {good: alone, bad: []}
+    assert eng.allocator.num_free == cfg.kv.num_pages
+    with pytest.raises(generate.GenerationFailed, match="inf, nan"):
+        eng.generate([prompts[1]], doomed)

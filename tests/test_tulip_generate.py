@@ -458,6 +458,78 @@ def test_backend_batches_streams_and_returns_pages_of_closed_ones() -> None:
     asyncio.run(main())
 
 
+def test_a_stream_whose_draw_fails_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One sequence's draw raising in the engine (NaN probabilities once did, for a whole
+    batch: every stream got INTERNAL) ends that stream with EngineFailed; the greedy streams
+    decoded in the same steps finish as the engine alone gives them, and pages come back."""
+    import torch
+
+    import rose.generate as generate
+    from rose.generate import GenerationConfig, GenerationEngine
+    from rose.kv.allocator import KVCacheConfig
+    from rose.models.llama import LlamaConfig, LlamaForCausalLM
+    from rose.sampling import SamplingParams
+    from tulip.errors import EngineFailed
+    from tulip.generation import GenerationBackend
+    from tulip.inputs import GenerateWork, ModelLimits
+    from tulip.metrics import Metrics
+    from tulip.service import ServedModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    prompts = [[1, 2, 3], [7, 8], [9, 10, 11, 12, 13]]
+    want = GenerationEngine(model).generate(prompts[:2], SamplingParams(max_tokens=6))
+    real = generate.accept
+
+    def draw(proposal, logits, argmax, params, generator):  # noqa: ANN001, ANN202
+        if params.seed == 13:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(proposal, logits, argmax, params, generator)
+
+    monkeypatch.setattr(generate, "accept", draw)
+    engine = GenerationEngine(model, GenerationConfig(KVCacheConfig(num_pages=40, page_size=4)))
+    limits = ModelLimits("generator", 64, 128, 0, False)
+    served = ServedModel("tiny", limits, pb.InfoResponse(kind=pb.MODEL_KIND_GENERATOR))
+    backend = GenerationBackend(engine, lambda ids: " ".join(map(str, ids)), served)
+
+    def work(prompt: list[int], temperature: float, seed: int | None) -> GenerateWork:
+        return GenerateWork(prompt, 6, temperature, 1.0, 0, seed, (), (), True)
+
+    async def drain(stream: AsyncIterator[pb.GenerateResponse]) -> list[int] | Exception:
+        try:
+            return [t async for r in stream for t in r.token_ids]
+        except EngineFailed as error:
+            return error
+
+    async def main() -> None:
+        backend.start(Metrics())
+        try:
+            works = [work(prompts[0], 0.0, None), work(prompts[2], 1.0, 13)]
+            works.append(work(prompts[1], 0.0, None))
+            streams = asyncio.gather(*(drain(backend.submit(w)) for w in works))
+            got = await asyncio.wait_for(streams, 60)  # a stream left hanging fails here
+            assert got[0] == want[0].output_ids and got[2] == want[1].output_ids, got
+            assert isinstance(got[1], EngineFailed) and "inf, nan" in str(got[1])
+            deadline = time.monotonic() + 10
+            while backend.num_sequences or backend.free_pages != backend.total_pages:
+                assert time.monotonic() < deadline, (backend.num_sequences, backend.free_pages)
+                await asyncio.sleep(0.01)
+        finally:
+            backend.close()
+
+    asyncio.run(main())
+
+
 def test_generate_is_unavailable_until_a_model_is_attached() -> None:
     from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
     from tulip.metrics import Metrics

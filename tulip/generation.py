@@ -505,6 +505,9 @@ class GenerationBackend:
             self._engine.abort(request.seq_id)
 
     def _deliver(self, output: StepOutput, started: float) -> None:
+        if output.error is not None:  # this sequence alone failed; the engine dropped it
+            self._fail(output.seq_id, EngineFailed(f"generation failed: {output.error}"))
+            return
         request = self._live.get(output.seq_id)
         if request is None:
             return
