@@ -262,6 +262,32 @@ def test_schemas_the_grammar_holds_are_accepted(
     grammars.state(JsonFormat(json.dumps(schema)))  # compiles: no GrammarError
 
 
+@pytest.mark.parametrize(
+    ("schema", "said"),
+    [
+        # 3,000 levels once raised RecursionError out of json.loads (gRPC UNKNOWN); depth
+        # also drives compile time, which a grammar's first use pays
+        ('{"type":"array","items":' * 3000 + "{}" + "}" * 3000, "at most 65536 characters"),
+        ('{"type":"array","items":' * 40 + "{}" + "}" * 40, "nested at most 32"),
+        ('{"type":"object","properties":{"a":' * 20 + "{}" + "}}" * 20, "nested at most 32"),
+        ('{"anyOf": []}', "`anyOf` at # is empty"),  # once: 0 tokens, "" is not JSON
+        ('{"type": "integer", "minimum": 1e400}', "`minimum` at # must be a finite number"),
+    ],
+)
+def test_schemas_too_deep_large_or_unsatisfiable_are_refused(schema: str, said: str) -> None:
+    with pytest.raises(GrammarError, match=re.escape(said)):
+        JsonFormat(schema)
+
+
+def test_nesting_counts_brackets_outside_strings_only() -> None:
+    from rose.grammar import _nesting
+
+    text = '{"a": "[[[{{{\\"]]]", "b": [[1]]}'  # brackets and an escaped quote in a string
+    assert json.loads(text)["a"] == '[[[{{{"]]]'
+    assert _nesting(text) == 3
+    JsonFormat('{"type": "string", "description": "' + "[" * 100 + '"}')  # accepted
+
+
 def test_a_discriminated_union_may_use_one_of() -> None:
     """pydantic writes a tagged union as ``oneOf`` + ``discriminator``: its alternatives
     require distinct constants, so no answer matches two and the grammar's anyOf reading

@@ -530,6 +530,74 @@ def test_a_stream_whose_draw_fails_fails_alone(monkeypatch: pytest.MonkeyPatch) 
     asyncio.run(main())
 
 
+def test_a_slow_grammar_compile_does_not_hold_up_other_streams() -> None:
+    """A json_schema's compile (seconds for a large schema) runs in a worker before the
+    request reaches the engine thread, so plain streams keep decoding meanwhile; the
+    engine's own compile of it is then a cache hit (here: a refusal, answered
+    INVALID_ARGUMENT)."""
+    import threading
+
+    import torch
+
+    from rose.generate import GenerationConfig, GenerationEngine
+    from rose.grammar import GrammarError, JsonFormat
+    from rose.models.llama import LlamaConfig, LlamaForCausalLM
+    from tulip.errors import InvalidInput
+    from tulip.generation import GenerationBackend
+    from tulip.inputs import GenerateWork, ModelLimits
+    from tulip.metrics import Metrics
+    from tulip.service import ServedModel
+
+    class SlowGrammars:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, float]] = []
+
+        def state(self, fmt: JsonFormat) -> None:
+            first = not self.calls
+            self.calls.append((threading.current_thread().name, time.monotonic()))
+            if first:
+                time.sleep(1.5)  # a cold compile
+            raise GrammarError("json_schema: refused")
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
+    grammars = SlowGrammars()
+    engine = GenerationEngine(LlamaForCausalLM(cfg).eval(), GenerationConfig(), grammars=grammars)  # type: ignore[arg-type]
+    limits = ModelLimits("generator", 64, 256, 0, False)
+    served = ServedModel("tiny", limits, pb.InfoResponse(kind=pb.MODEL_KIND_GENERATOR))
+    backend = GenerationBackend(engine, lambda ids: " ".join(map(str, ids)), served)
+    plain = GenerateWork([1, 2, 3], 120, 0.0, 1.0, 0, None, (), (), True)
+    constrained = GenerateWork([4, 5], 4, 0.0, 1.0, 0, None, (), (), False, JsonFormat("{}"))
+
+    async def main() -> None:
+        backend.start(Metrics())
+        try:
+            slow = backend.submit(constrained)
+            stream = backend.submit(plain)
+            got = [t async for r in stream for t in r.token_ids]
+            done = time.monotonic()
+            with pytest.raises(InvalidInput, match="refused"):
+                await anext(slow)
+            assert len(got) == 120
+            (worker, started), (engine_thread, at) = grammars.calls
+            assert worker != engine_thread  # the first compile was not on the engine thread
+            assert done < started + 1.5  # the plain stream finished during that compile
+            assert at >= started + 1.5
+        finally:
+            backend.close()
+
+    asyncio.run(main())
+
+
 def test_generate_is_unavailable_until_a_model_is_attached() -> None:
     from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
     from tulip.metrics import Metrics

@@ -25,6 +25,7 @@ Example (inside the server's event loop)::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -45,6 +46,7 @@ from tulip.textstream import TextStream
 
 if TYPE_CHECKING:
     from rose.generate import GenerationEngine, StepOutput
+    from rose.grammar import Grammars, JsonFormat
     from rose.spec import SpecConfig
 
 __all__ = [
@@ -177,6 +179,14 @@ class _SpecTotals:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+
+
+def _compile(grammars: Grammars, fmt: JsonFormat) -> None:
+    """Compile ``fmt`` into ``grammars``' cache; a refusal is the engine's to report."""
+    from rose.grammar import GrammarError
+
+    with contextlib.suppress(GrammarError):
+        grammars.state(fmt)
 
 
 class GenerationBackend:
@@ -411,11 +421,17 @@ class GenerationBackend:
             params = SamplingParams(**work.sampling_kwargs(max_tokens))  # type: ignore[arg-type]
         except ValueError as error:
             raise InvalidInput(str(error)) from None
-        request = _Request(work, params, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        request = _Request(work, params, loop)
         self._queued_tokens += tokens
         self._open += 1
         self._idle.clear()
-        self._post("add", request)
+        grammars = getattr(self._engine, "grammars", None)
+        if params.response_format is None or grammars is None:
+            self._post("add", request)
+        else:  # compiled in a worker first: the engine thread's compile is then a cache hit
+            warm = loop.run_in_executor(None, _compile, grammars, params.response_format)
+            warm.add_done_callback(lambda _: self._post("add", request))
         return GenerationStream(self, request)
 
     def _dequeued(self, request: _Request) -> None:
