@@ -598,6 +598,76 @@ def test_a_slow_grammar_compile_does_not_hold_up_other_streams() -> None:
     asyncio.run(main())
 
 
+def test_generator_steps_have_a_token_budget_by_default() -> None:
+    from tulip.generation import step_tokens
+
+    def config(*flags: str) -> TulipConfig:
+        return TulipConfig.from_args(["--model", "m", *flags], {})
+
+    assert step_tokens(config(), "cpu") == 512
+    assert step_tokens(config(), "cuda:0") == 2048
+    assert step_tokens(config("--max-batch-tokens", "4096"), "cpu") == 4096
+    assert step_tokens(config("--max-batch-tokens", "8", "--max-running-seqs", "16"), "cpu") == 16
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_its_neighbour_decodes() -> None:
+    """Under a step budget a long prompt's prefill takes several steps, and a stream already
+    decoding gets a token in each of them: it is not held up for the whole prefill."""
+    import torch
+
+    from rose.generate import GenerationConfig, GenerationEngine
+    from rose.models.llama import LlamaConfig, LlamaForCausalLM
+    from rose.sampling import SamplingParams
+    from tulip.generation import GenerationBackend
+    from tulip.inputs import GenerateWork, ModelLimits
+    from tulip.metrics import Metrics
+    from tulip.service import ServedModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    long_prompt = [1 + i % 60 for i in range(320)]
+    want = GenerationEngine(model).generate([long_prompt], SamplingParams(max_tokens=4))
+    engine = GenerationEngine(model, GenerationConfig(max_batch=4, max_step_tokens=32))
+    limits = ModelLimits("generator", 64, 512, 0, False)
+    served = ServedModel("tiny", limits, pb.InfoResponse(kind=pb.MODEL_KIND_GENERATOR))
+    backend = GenerationBackend(engine, lambda ids: " ".join(map(str, ids)), served)
+    events: list[str] = []
+
+    async def follow(name: str, stream: AsyncIterator[pb.GenerateResponse]) -> list[int]:
+        ids = []
+        async for r in stream:
+            events.extend([name] * len(r.token_ids))
+            ids += r.token_ids
+        return ids
+
+    async def main() -> None:
+        backend.start(Metrics())
+        try:
+            near = backend.submit(GenerateWork([1, 2, 3], 40, 0.0, 1.0, 0, None, (), (), True))
+            first = await anext(near)  # decoding before the long prompt arrives
+            far = backend.submit(GenerateWork(long_prompt, 4, 0.0, 1.0, 0, None, (), (), True))
+            got = await asyncio.gather(follow("near", near), follow("far", far))
+            assert got[1] == want[0].output_ids  # chunked prefill changes no token
+            assert len(first.token_ids) + len(got[0]) == 40
+            # 320 prompt tokens in steps of at most 32 (the neighbour's decode among them):
+            # the neighbour emitted in every step before the long prompt's first token
+            assert events.index("far") >= 320 // 32, events
+        finally:
+            backend.close()
+
+    asyncio.run(main())
+
+
 def test_generate_is_unavailable_until_a_model_is_attached() -> None:
     from protos.trellis.v1 import inference_pb2_grpc as pb_grpc
     from tulip.metrics import Metrics

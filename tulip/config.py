@@ -346,7 +346,8 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--max-batch-tokens",
         type=int,
-        help="token budget of one batch, 0: by device (default: 16384 on GPU, 2048 on CPU)",
+        help="token budget of one batch (generators: of one step, prompts prefilled in chunks "
+        "of it), 0: by device (default: 16384 on GPU, 2048 on CPU; generators 2048 / 512)",
     )
     add("--max-batch-rows", type=int, help="row cap of one batch (default 256)")
     add("--max-queued-tokens", type=int, help="admission limit on queued tokens (default 262144)")

@@ -56,6 +56,7 @@ __all__ = [
     "GenerationStream",
     "is_generator",
     "spec_config",
+    "step_tokens",
 ]
 
 CAUSAL_LM_ARCHITECTURES = {
@@ -181,6 +182,24 @@ class _SpecTotals:
     accepted: int = 0
 
 
+# One engine step's token budget when --max-batch-tokens is 0. Prompts are prefilled in
+# chunks of it, so a long prompt holds up the streams decoding beside it for one chunk at a
+# time (without a budget a 6,000-token prompt held them ~100 s on one CPU thread); a CPU is
+# busy with a few hundred tokens per pass, a GPU gains from more.
+_CPU_STEP_TOKENS = 512
+_GPU_STEP_TOKENS = 2048
+
+
+def step_tokens(config: TulipConfig, device: str) -> int:
+    """`rose.generate.GenerationConfig.max_step_tokens` for a generator on ``device``:
+    ``--max-batch-tokens``, else by device; at least ``--max-running-seqs`` (every running
+    sequence decodes in each step)."""
+    budget = config.max_batch_tokens or (
+        _GPU_STEP_TOKENS if device.startswith("cuda") else _CPU_STEP_TOKENS
+    )
+    return max(budget, config.max_running_seqs)
+
+
 def _compile(grammars: Grammars, fmt: JsonFormat) -> None:
     """Compile ``fmt`` into ``grammars``' cache; a refusal is the engine's to report."""
     from rose.grammar import GrammarError
@@ -282,6 +301,7 @@ class GenerationBackend:
             GenerationConfig(
                 kv=KVCacheConfig(num_pages=pages, page_size=config.kv_page_size),
                 max_batch=config.max_running_seqs,
+                max_step_tokens=step_tokens(config, device),
                 spec=spec,
                 prefix_cache=config.prefix_cache,
             ),
