@@ -99,6 +99,7 @@ def test_failures_are_answers_with_unary_status_and_the_stream_goes_on(
             await stream.write(pb.CallRequest(id=2, embed=out_of_vocab))
             await stream.write(pb.CallRequest(id=3, score=score_request([[0, 5, 2, 2, 6, 2]])))
             await stream.write(pb.CallRequest(id=4))  # no call at all
+            await stream.write(pb.CallRequest(id=6, cancel=False))  # asks for nothing
             await stream.write(embed_call(5, good))
             answers = await answers_until_end(stream)
             # The unary call with the same bad input fails with the same status.
@@ -120,6 +121,7 @@ def test_failures_are_answers_with_unary_status_and_the_stream_goes_on(
     assert answers[2].error.message == unary_details
     assert codes[3] == grpc.StatusCode.INVALID_ARGUMENT  # Score on an embedding model
     assert codes[4] == grpc.StatusCode.INVALID_ARGUMENT
+    assert codes[6] == grpc.StatusCode.INVALID_ARGUMENT and "cancel" in answers[6].error.message
     assert codes[5] == grpc.StatusCode.OK
     got = unpack_tensor(answers[5].embed.embeddings)
     np.testing.assert_allclose(got, rose_embed(e5_engine, good), atol=ATOL)

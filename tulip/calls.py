@@ -108,7 +108,10 @@ async def serve_calls(
     try:
         async for call in requests:
             kind = call.WhichOneof("call")
-            if kind == "cancel":
+            if kind == "cancel" and not call.cancel:
+                message = "CallRequest cancel must be true (false asks for nothing)"
+                await write(_error(call.id, grpc.StatusCode.INVALID_ARGUMENT, message))
+            elif kind == "cancel":
                 task = running.pop(call.id, None)
                 if task is not None:
                     task.cancel()
