@@ -322,18 +322,13 @@ def test_a_request_whose_draw_fails_fails_alone(
     """A sequence whose draw raises (as NaN probabilities once made torch.multinomial do)
     is dropped with its error; the greedy neighbour in the same steps finishes exactly as
     alone, and every page comes back."""
+    from tiny_configs import fail_draws_of_seed
+
     import rose.generate as generate
 
     cfg = GenerationConfig(max_batch=4)
     alone = GenerationEngine(target, cfg).generate([prompts[0]], GREEDY)[0].output_ids
-    real = generate.accept
-
-    def draw(proposal, logits, argmax, params, generator):  # noqa: ANN001, ANN202
-        if params.seed == 13:
-            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(proposal, logits, argmax, params, generator)
-
-    monkeypatch.setattr(generate, "accept", draw)
+    fail_draws_of_seed(monkeypatch)  # seed 13
     doomed = SamplingParams(max_tokens=8, temperature=1.0, seed=13)
     eng = GenerationEngine(target, cfg)
     good, bad = eng.add(prompts[0], GREEDY), eng.add(prompts[1], doomed)

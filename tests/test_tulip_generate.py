@@ -15,6 +15,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -388,18 +389,11 @@ def test_length_finish_flushes_held_back_text(tok: tokenizers.Tokenizer) -> None
 # -- the backend in this process (a tiny random-weight Llama) ----------------------------
 
 
-def test_backend_batches_streams_and_returns_pages_of_closed_ones() -> None:
+def tiny_generator(positions: int = 128) -> Any:  # noqa: ANN401 - LlamaForCausalLM
+    """A random 2-layer Llama over 64 tokens (seed 0): fast enough to step by hand."""
     import torch
 
-    from rose.generate import GenerationConfig, GenerationEngine
-    from rose.kv.allocator import KVCacheConfig
     from rose.models.llama import LlamaConfig, LlamaForCausalLM
-    from rose.sampling import SamplingParams
-    from tulip.errors import Draining, Overloaded
-    from tulip.generation import GenerationBackend
-    from tulip.inputs import GenerateWork, ModelLimits
-    from tulip.metrics import Metrics
-    from tulip.service import ServedModel
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -410,15 +404,34 @@ def test_backend_batches_streams_and_returns_pages_of_closed_ones() -> None:
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
-        max_position_embeddings=128,
+        max_position_embeddings=positions,
     )
-    model = LlamaForCausalLM(cfg).eval()
-    engine = GenerationEngine(model, GenerationConfig(KVCacheConfig(num_pages=40, page_size=4)))
-    limits = ModelLimits("generator", 64, 128, 0, False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_backend(engine: Any, positions: int = 128, **kw: Any) -> Any:  # noqa: ANN401
+    """A `GenerationBackend` serving ``engine`` as the tiny model (ids decode to digits)."""
+    from tulip.generation import GenerationBackend
+    from tulip.inputs import ModelLimits
+    from tulip.service import ServedModel
+
+    limits = ModelLimits("generator", 64, positions, 0, False)
     served = ServedModel("tiny", limits, pb.InfoResponse(kind=pb.MODEL_KIND_GENERATOR))
-    backend = GenerationBackend(
-        engine, lambda ids: " ".join(map(str, ids)), served, max_queued_tokens=10
-    )
+    return GenerationBackend(engine, lambda ids: " ".join(map(str, ids)), served, **kw)
+
+
+def test_backend_batches_streams_and_returns_pages_of_closed_ones() -> None:
+
+    from rose.generate import GenerationConfig, GenerationEngine
+    from rose.kv.allocator import KVCacheConfig
+    from rose.sampling import SamplingParams
+    from tulip.errors import Draining, Overloaded
+    from tulip.inputs import GenerateWork
+    from tulip.metrics import Metrics
+
+    model = tiny_generator(128)
+    engine = GenerationEngine(model, GenerationConfig(KVCacheConfig(num_pages=40, page_size=4)))
+    backend = tiny_backend(engine, max_queued_tokens=10)
     prompts = [[1, 2, 3], [7, 8], [9, 10, 11, 12, 13]]
     want = GenerationEngine(model).generate(prompts, SamplingParams(max_tokens=6))
 
@@ -462,45 +475,22 @@ def test_a_stream_whose_draw_fails_fails_alone(monkeypatch: pytest.MonkeyPatch) 
     """One sequence's draw raising in the engine (NaN probabilities once did, for a whole
     batch: every stream got INTERNAL) ends that stream with EngineFailed; the greedy streams
     decoded in the same steps finish as the engine alone gives them, and pages come back."""
-    import torch
 
-    import rose.generate as generate
+    from tiny_configs import fail_draws_of_seed
+
     from rose.generate import GenerationConfig, GenerationEngine
     from rose.kv.allocator import KVCacheConfig
-    from rose.models.llama import LlamaConfig, LlamaForCausalLM
     from rose.sampling import SamplingParams
     from tulip.errors import EngineFailed
-    from tulip.generation import GenerationBackend
-    from tulip.inputs import GenerateWork, ModelLimits
+    from tulip.inputs import GenerateWork
     from tulip.metrics import Metrics
-    from tulip.service import ServedModel
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=128,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_generator(128)
     prompts = [[1, 2, 3], [7, 8], [9, 10, 11, 12, 13]]
     want = GenerationEngine(model).generate(prompts[:2], SamplingParams(max_tokens=6))
-    real = generate.accept
-
-    def draw(proposal, logits, argmax, params, generator):  # noqa: ANN001, ANN202
-        if params.seed == 13:
-            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(proposal, logits, argmax, params, generator)
-
-    monkeypatch.setattr(generate, "accept", draw)
+    fail_draws_of_seed(monkeypatch)  # seed 13
     engine = GenerationEngine(model, GenerationConfig(KVCacheConfig(num_pages=40, page_size=4)))
-    limits = ModelLimits("generator", 64, 128, 0, False)
-    served = ServedModel("tiny", limits, pb.InfoResponse(kind=pb.MODEL_KIND_GENERATOR))
-    backend = GenerationBackend(engine, lambda ids: " ".join(map(str, ids)), served)
+    backend = tiny_backend(engine)
 
     def work(prompt: list[int], temperature: float, seed: int | None) -> GenerateWork:
         return GenerateWork(prompt, 6, temperature, 1.0, 0, seed, (), (), True)
@@ -537,16 +527,11 @@ def test_a_slow_grammar_compile_does_not_hold_up_other_streams() -> None:
     INVALID_ARGUMENT)."""
     import threading
 
-    import torch
-
     from rose.generate import GenerationConfig, GenerationEngine
     from rose.grammar import GrammarError, JsonFormat
-    from rose.models.llama import LlamaConfig, LlamaForCausalLM
     from tulip.errors import InvalidInput
-    from tulip.generation import GenerationBackend
-    from tulip.inputs import GenerateWork, ModelLimits
+    from tulip.inputs import GenerateWork
     from tulip.metrics import Metrics
-    from tulip.service import ServedModel
 
     class SlowGrammars:
         def __init__(self) -> None:
@@ -559,22 +544,9 @@ def test_a_slow_grammar_compile_does_not_hold_up_other_streams() -> None:
                 time.sleep(1.5)  # a cold compile
             raise GrammarError("json_schema: refused")
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=256,
-    )
     grammars = SlowGrammars()
-    engine = GenerationEngine(LlamaForCausalLM(cfg).eval(), GenerationConfig(), grammars=grammars)  # type: ignore[arg-type]
-    limits = ModelLimits("generator", 64, 256, 0, False)
-    served = ServedModel("tiny", limits, pb.InfoResponse(kind=pb.MODEL_KIND_GENERATOR))
-    backend = GenerationBackend(engine, lambda ids: " ".join(map(str, ids)), served)
+    engine = GenerationEngine(tiny_generator(256), GenerationConfig(), grammars=grammars)  # type: ignore[arg-type]
+    backend = tiny_backend(engine, 256)
     plain = GenerateWork([1, 2, 3], 120, 0.0, 1.0, 0, None, (), (), True)
     constrained = GenerateWork([4, 5], 4, 0.0, 1.0, 0, None, (), (), False, JsonFormat("{}"))
 
@@ -613,34 +585,17 @@ def test_generator_steps_have_a_token_budget_by_default() -> None:
 def test_a_long_prompt_is_prefilled_in_chunks_while_its_neighbour_decodes() -> None:
     """Under a step budget a long prompt's prefill takes several steps, and a stream already
     decoding gets a token in each of them: it is not held up for the whole prefill."""
-    import torch
 
     from rose.generate import GenerationConfig, GenerationEngine
-    from rose.models.llama import LlamaConfig, LlamaForCausalLM
     from rose.sampling import SamplingParams
-    from tulip.generation import GenerationBackend
-    from tulip.inputs import GenerateWork, ModelLimits
+    from tulip.inputs import GenerateWork
     from tulip.metrics import Metrics
-    from tulip.service import ServedModel
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_generator(512)
     long_prompt = [1 + i % 60 for i in range(320)]
     want = GenerationEngine(model).generate([long_prompt], SamplingParams(max_tokens=4))
     engine = GenerationEngine(model, GenerationConfig(max_batch=4, max_step_tokens=32))
-    limits = ModelLimits("generator", 64, 512, 0, False)
-    served = ServedModel("tiny", limits, pb.InfoResponse(kind=pb.MODEL_KIND_GENERATOR))
-    backend = GenerationBackend(engine, lambda ids: " ".join(map(str, ids)), served)
+    backend = tiny_backend(engine, 512)
     events: list[str] = []
 
     async def follow(name: str, stream: AsyncIterator[pb.GenerateResponse]) -> list[int]:

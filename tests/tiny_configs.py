@@ -98,3 +98,21 @@ def llama_pair(path: Path, seed: int = 0, **over: object) -> tuple[torch.nn.Modu
     ref = transformers.LlamaForCausalLM(llama(**over)).eval()
     ref.save_pretrained(path, safe_serialization=True)
     return ref, LlamaForCausalLM.from_pretrained(path).eval()
+
+
+DOOMED_SEED = 13  # `fail_draws_of_seed`: requests with this seed fail their draw
+
+
+def fail_draws_of_seed(monkeypatch: Any, seed: int = DOOMED_SEED) -> None:  # noqa: ANN401
+    """Make `rose.generate`'s acceptance raise, as NaN probabilities once made
+    torch.multinomial do, for requests sampled with ``seed`` only."""
+    import rose.generate as generate
+
+    real = generate.accept
+
+    def draw(proposal, logits, argmax, params, generator):  # noqa: ANN001, ANN202
+        if params.seed == seed:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(proposal, logits, argmax, params, generator)
+
+    monkeypatch.setattr(generate, "accept", draw)
