@@ -451,7 +451,13 @@ class GenerationBackend:
             self._post("add", request)
         else:  # compiled in a worker first: the engine thread's compile is then a cache hit
             warm = loop.run_in_executor(None, _compile, grammars, params.response_format)
-            warm.add_done_callback(lambda _: self._post("add", request))
+
+            def queue(done: asyncio.Future[None]) -> None:
+                if not done.cancelled() and done.exception() is not None:
+                    log.warning("tulip: compiling a response_format failed: %s", done.exception())
+                self._post("add", request)  # the engine's own compile reports any failure
+
+            warm.add_done_callback(queue)
         return GenerationStream(self, request)
 
     def _dequeued(self, request: _Request) -> None:
