@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import TypeAdapter
 
-from ivy.routes import Route
+from ivy.routes import Route, path_parameter
 from ivy.schemas import ErrorResponse
 
 __all__ = ["document"]
@@ -72,10 +72,10 @@ def _operation(route: Route, components: _Components, served: list[str]) -> dict
     }
     if route.description:
         op["description"] = route.description
-    _, brace, name = route.path.partition("{")
-    if brace:  # the last segment: a served model's name
+    template = path_parameter(route.path)
+    if template:  # the last segment: a served model's name
         op["parameters"] = [
-            {"name": name.rstrip("}"), "in": "path", "required": True, "schema": {"type": "string"}}
+            {"name": template[1], "in": "path", "required": True, "schema": {"type": "string"}}
         ]
     if route.request is not None:
         ref = components.ref(route.request, "validation")

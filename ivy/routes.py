@@ -2,8 +2,8 @@
 
 An entry names its method and path, the pydantic model its JSON body is validated with
 (None: no body; a path whose last segment is a ``{parameter}`` hands the handler that rest
-of the path, slashes included, as ``{"parameter": value}`` instead), the handler, the dataclass its answer serializes from (which documents
-the 200 in /openapi.json), and, for routes that can stream, the event's dataclass. The
+of the path, slashes included, as ``{"parameter": value}`` instead), the handler, the
+dataclass its answer serializes from (which documents the 200 in /openapi.json), and, for routes that can stream, the event's dataclass. The
 same entries serve requests (`ivy.app.IvyApp`), generate /openapi.json (`ivy.openapi`),
 label metrics and say which paths are public. Adding a route is adding an entry.
 """
@@ -18,7 +18,7 @@ import pydantic
 
 from ivy.sse import Stream
 
-__all__ = ["Handler", "Reply", "Route", "match_path"]
+__all__ = ["Handler", "Reply", "Route", "match_path", "path_parameter"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +52,13 @@ class Route:
     media_type: str = "application/json"  # of the 200, when it is not JSON
 
 
+def path_parameter(route: str) -> tuple[str, str] | None:
+    """``/v1/models/{model}`` -> (``/v1/models/``, ``model``): a template's fixed head and
+    its parameter's name; None for a fixed path."""
+    head, brace, name = route.partition("{")
+    return (head, name.rstrip("}")) if brace else None
+
+
 def match_path(path: str, paths: Collection[str]) -> tuple[str, dict[str, str]] | None:
     """The route path of ``paths`` that ``path`` is, and its path parameters: ``path`` itself
     with none, or a template such as ``/v1/models/{model}`` whose parameter takes the rest
@@ -59,7 +66,7 @@ def match_path(path: str, paths: Collection[str]) -> tuple[str, dict[str, str]] 
     if path in paths:
         return path, {}
     for route in paths:
-        head, brace, name = route.partition("{")
-        if brace and path.startswith(head) and len(path) > len(head):
-            return route, {name.rstrip("}"): path[len(head) :]}
+        template = path_parameter(route)
+        if template and path.startswith(template[0]) and len(path) > len(template[0]):
+            return route, {template[1]: path[len(template[0]) :]}
     return None
