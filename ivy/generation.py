@@ -445,8 +445,10 @@ class GenerationService:
         metadata = (("traceparent", traceparent),) if traceparent else None
 
         async def start(
-            replica: Replica, timeout: float
+            replica: Replica, timeout: float, admitted: bool
         ) -> tuple[grpc.aio.UnaryStreamCall, pb.GenerateResponse]:
+            # `admitted` has no wire field here: a generator's admission is by KV room,
+            # with no queue-time limit to waive.
             call = replica.stub.Generate(request, timeout=timeout, metadata=metadata)
             try:
                 first = await call.read()

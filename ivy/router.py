@@ -526,35 +526,45 @@ class Router:
     ) -> pb.EmbedResponse | pb.ScoreResponse:
         """One chunk on one replica's `Calls` stream, under the one policy (`call`)."""
 
-        async def attempt(replica: Replica, timeout: float) -> pb.EmbedResponse | pb.ScoreResponse:
+        async def attempt(
+            replica: Replica, timeout: float, admitted: bool
+        ) -> pb.EmbedResponse | pb.ScoreResponse:
             sent = time.monotonic()
             response = await getattr(replica.calls, method)(request, timeout, admitted)
             replica.observe(tokens, time.monotonic() - sent)
             return response  # type: ignore[no-any-return]
 
-        response, _ = await self.call(model, attempt, tokens, deadline)
+        response, _ = await self.call(model, attempt, tokens, deadline, admitted=admitted)
         return response
 
     async def call(
         self,
         model: str,
-        attempt: Callable[[Replica, float], Awaitable[_T]],
+        attempt: Callable[[Replica, float, bool], Awaitable[_T]],
         tokens: int,
         deadline: float,
         *,
         hedge: bool = True,
         param: str = "input",
         keep: bool = False,
+        admitted: bool = False,
     ) -> tuple[_T, Replica]:
         """The one upstream policy, for every kind of call: `attempt(replica, seconds
-        left)` on the replica `pick` chooses; a retryable refusal (`RETRYABLE`) is noted
-        (`note_refusal`) and tried once on another replica; any other failure is
+        left, admitted)` on the replica `pick` chooses; a retryable refusal (`RETRYABLE`)
+        is noted (`note_refusal`) and tried once on another replica; any other failure is
         translated (`translate`, naming `param`); past `deadline` it is a 504. With
         `hedge`, an attempt unanswered for `_hedge_delay` is also sent to a second
         replica, the first answer wins and the stalled one is marked suspect. `tokens`
         count on the replica from launch until the attempt ends, or, with `keep`, until
         the caller releases the winner's (a stream it goes on reading). Attempts still
-        running when this returns or fails are cancelled and awaited."""
+        running when this returns or fails are cancelled and awaited.
+
+        `admitted` tells the replica the call is part of work already taken (its
+        queue-time limit, which refuses new work, does not apply). A call whose replica
+        failed it (went away or is stopping: `lost`) is sent on as admitted too: Ivy took
+        the request, and a replica's crash must not become a capacity refusal of work it
+        had been holding, while the one replica left absorbs its share. The deadline
+        still bounds it: the replica refuses what it cannot finish in time."""
         pool = self.pools[model]
         tried: set[Replica] = set()
         refusals: list[grpc.StatusCode] = []
@@ -566,7 +576,9 @@ class Router:
             # Counted at once, not when the task first runs: the next chunk's `pick` (of
             # this request too) must see this one on the replica.
             replica.acquire(tokens)
-            task = asyncio.ensure_future(attempt(replica, max(0.0, deadline - time.monotonic())))
+            lost = any(code in _LOST for code in refusals)
+            seconds_left = max(0.0, deadline - time.monotonic())
+            task = asyncio.ensure_future(attempt(replica, seconds_left, admitted or lost))
             task.add_done_callback(functools.partial(_release, replica, tokens, keep))
             attempts[task] = (replica, time.monotonic())
 
@@ -646,6 +658,11 @@ def _release(replica: Replica, tokens: int, keep: bool, task: asyncio.Future[Any
         else:
             outcome = "CANCELLED"
     replica.release(tokens, outcome)
+
+
+# The retryable failures that say the replica itself failed the call (gone, or stopping),
+# as opposed to a capacity refusal (RESOURCE_EXHAUSTED).
+_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 def no_replica_error(model: str, refusals: list[grpc.StatusCode]) -> IvyError:

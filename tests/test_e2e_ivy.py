@@ -496,6 +496,7 @@ def test_killing_a_replica_under_load_loses_no_request(
 ) -> None:
     stop = threading.Event()
     statuses: list[int] = []
+    failures: list[str] = []
     lock = threading.Lock()
 
     def client_loop(seed: int) -> None:
@@ -506,7 +507,8 @@ def test_killing_a_replica_under_load_loses_no_request(
                 r = client.post("/v1/embeddings", json={"model": name, "input": batch})
                 with lock:
                     statuses.append(r.status_code)
-                assert len(r.json()["data"]) == len(batch)
+                    if r.status_code != 200 or len(r.json()["data"]) != len(batch):
+                        failures.append(f"{r.status_code} {r.headers} {r.text[:300]}")
                 i += 1
 
     with ThreadPoolExecutor(max_workers=6) as pool:
@@ -518,7 +520,7 @@ def test_killing_a_replica_under_load_loses_no_request(
         for f in futures:
             f.result()
     assert len(statuses) > 20
-    assert set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+    assert not failures, failures
     with httpx.Client(base_url=base, timeout=60) as client:
         ready = client.get("/health/ready").json()
         assert ready["healthy_replicas"][name] >= 1

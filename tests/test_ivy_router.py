@@ -22,6 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 import ivy.replicas as replicas_module
+from ivy.calls import CallFailed
 from ivy.errors import OverloadedError, UnavailableError
 from ivy.metrics import Metrics
 from ivy.replicas import Replica, ReplicaPool
@@ -149,6 +150,67 @@ def test_all_suspect_and_all_refusing_is_shed_with_429_not_503() -> None:
         router.admit(MODEL, time.monotonic() + 10)
         with pytest.raises(UnavailableError):
             await embed_one(pool, router)
+
+    run(scenario)
+
+
+class _Gone(FakeCalls):
+    """A replica that dies (or is stopping) with the call: the stream broke under it."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__(0.0)
+        self.code = code
+
+    async def embed(
+        self, request: pb.EmbedRequest, timeout: float, admitted: bool = False
+    ) -> pb.EmbedResponse:
+        self.sent += 1
+        raise CallFailed(self.code, "Calls stream broke")
+
+
+class _QueueBound(FakeCalls):
+    """A busy replica past its queue-time limit: refuses new work, queues admitted work
+    (Tulip's `Scheduler.submit`)."""
+
+    def __init__(self, value: float) -> None:
+        super().__init__(value)
+        self.admitted: list[bool] = []
+
+    async def embed(
+        self, request: pb.EmbedRequest, timeout: float, admitted: bool = False
+    ) -> pb.EmbedResponse:
+        self.admitted.append(admitted)
+        if not admitted:
+            raise CallFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full: about 2.0s ahead")
+        return await super().embed(request, timeout, admitted)
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+def test_a_call_lost_with_its_replica_is_not_refused_by_the_survivors_queue_limit(
+    code: grpc.StatusCode,
+) -> None:
+    """A replica killed under load: the calls it held are retried on the one left, which is
+    busy past its queue-time limit. They were admitted work, so they travel as admitted
+    and are answered, instead of turning a crash into 429s."""
+
+    async def scenario(pool: ReplicaPool, router: Router, replicas: list[Replica]) -> None:
+        a, b = replicas
+        a.calls = _Gone(code)  # type: ignore[assignment]
+        b.calls = survivor = _QueueBound(2.0)  # type: ignore[assignment]
+        b.acquire(1000)  # a is the less loaded one: the request goes there first
+        rows = await embed_one(pool, router)
+        assert rows[0, 0] == 2.0
+        assert a.calls.sent == 1  # type: ignore[attr-defined]
+        assert survivor.admitted == [True]
+        # A capacity refusal is not a loss: the retry is new work, refused alike (429).
+        a.calls = _QueueBound(1.0)  # type: ignore[assignment]
+        a.saturated_until = b.saturated_until = 0.0
+        survivor.admitted.clear()
+        with pytest.raises(OverloadedError):
+            await embed_one(pool, router)
+        assert a.calls.admitted == [False]  # type: ignore[attr-defined]
+        assert survivor.admitted == [False]
+        b.release(1000, "OK")
 
     run(scenario)
 
