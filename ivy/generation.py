@@ -6,9 +6,13 @@ The call goes through the router's one upstream policy (`ivy.router.Router.call`
 replica is picked like embedding chunks are (least outstanding tokens among two healthy
 replicas; a generation counts its prompt plus its token budget), a call refused with
 UNAVAILABLE or RESOURCE_EXHAUSTED before its first message is retried once on another
-replica, and failures are translated by the same table. After the first message nothing
-is retried: the client may already have text. Closing a `Generation` cancels its call, which makes the replica free the
-sequence.
+replica, and failures are translated by the same table. After the first message a stream
+is not retried (the client may already have its text), but a non-streamed generation
+whose replica went away before it finished (`ReplicaLost`) runs once more from the start
+on another replica, within the request's deadline (`collect`): the client has seen
+nothing, greedy decoding gets the answer it would have got, and a replica's
+crash does not lose the requests it held. Closing a `Generation` cancels its call, which
+makes the replica free the sequence.
 
 Example::
 
@@ -21,8 +25,10 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -50,7 +56,7 @@ from ivy.generation_schemas import (
 from ivy.logprobs import TokenPieces
 from ivy.models import GENERATOR, ServedModel
 from ivy.replicas import Replica
-from ivy.router import cancel_all, gather_or_cancel, translate
+from ivy.router import LOST, cancel_all, gather_or_cancel, translate
 from ivy.tokenization import TokenizationError
 from protos import tracing
 from protos.trellis.v1 import inference_pb2 as pb
@@ -110,6 +116,13 @@ class GenerationMetrics:
         )
 
 
+log = logging.getLogger("ivy")
+
+
+class ReplicaLost(UnavailableError):
+    """A generation's replica went away (or stopped) before the generation finished."""
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A validated request: one tokenized prompt per choice and its sampling options."""
@@ -144,7 +157,9 @@ class Generation:
     """One open ``Generate`` call that has already produced its first message.
 
     Iterate `messages` once; call `close` when done (idempotent): it cancels the call if
-    it is still running and returns the replica's outstanding tokens."""
+    it is still running and returns the replica's outstanding tokens. `reopen`, where
+    set, starts the same generation afresh on a replica (the router's pick), for a
+    caller that lost this one (`ReplicaLost`) before passing on any of it."""
 
     def __init__(
         self,
@@ -156,8 +171,10 @@ class Generation:
         metrics: GenerationMetrics,
         param: str,
         logprobs: bool = False,
+        reopen: Callable[[], Awaitable[Generation]] | None = None,
     ) -> None:
         self._call = call
+        self.reopen = reopen
         self._logprobs = logprobs
         self._param = param
         self._first: pb.GenerateResponse | None = first
@@ -184,6 +201,17 @@ class Generation:
                         message = await self._call.read()
                     except grpc.aio.AioRpcError as exc:
                         self._outcome = "error"
+                        if exc.code() in LOST:
+                            self._replica.mark_suspect()  # its stream broke under it
+                            log.warning(
+                                "ivy: a replica of %s went away mid-generation: %s: %s",
+                                self._model,
+                                exc.code().name,
+                                exc.details(),
+                            )
+                            raise ReplicaLost(
+                                "The replica serving this request went away."
+                            ) from None
                         raise translate(
                             exc.code(), exc.details() or "", model=self._model, param=self._param
                         ) from None
@@ -426,17 +454,22 @@ class GenerationService:
         opens = [self._open_one(prepared, ids, deadline) for ids in prepared.prompts]
         return await gather_or_cancel(opens, discard=Generation.close)
 
-    async def _open_one(self, prepared: Prepared, ids: np.ndarray, deadline: float) -> Generation:
+    async def _open_one(
+        self, prepared: Prepared, ids: np.ndarray, deadline: float, *, again: bool = False
+    ) -> Generation:
         try:
-            return await self._route(prepared, ids, deadline)
+            return await self._route(prepared, ids, deadline, again=again)
         except IvyError:
             self.metrics.generations.labels(model=prepared.model, outcome="error").inc()
             raise
 
-    async def _route(self, prepared: Prepared, ids: np.ndarray, deadline: float) -> Generation:
+    async def _route(
+        self, prepared: Prepared, ids: np.ndarray, deadline: float, *, again: bool = False
+    ) -> Generation:
         """Start the call on a replica, under the router's one policy (a refusal is
-        retried once elsewhere, failures translated); no hedging: a generation is not
-        repeated."""
+        retried once elsewhere, failures translated); no hedging: a generation runs on
+        one replica at a time. The first run of a prompt can be reopened once (`again`),
+        within the same deadline."""
         tokens = int(ids.size) + prepared.budget
         request = pb.GenerateRequest(
             prompt_ids=ids.astype("<u4", copy=False).tobytes(), sampling=prepared.sampling
@@ -465,9 +498,10 @@ class GenerationService:
         (call, first), replica = await router.call(
             prepared.model, start, tokens, deadline, hedge=False, param=prepared.param, keep=True
         )
-        self.metrics.time_to_first_token.labels(model=prepared.model).observe(
-            time.perf_counter() - prepared.started
-        )
+        if not again:
+            self.metrics.time_to_first_token.labels(model=prepared.model).observe(
+                time.perf_counter() - prepared.started
+            )
         return Generation(
             call,
             first,
@@ -477,30 +511,45 @@ class GenerationService:
             self.metrics,
             prepared.param,
             logprobs=prepared.pieces is not None,
+            reopen=None
+            if again
+            else functools.partial(self._open_one, prepared, ids, deadline, again=True),
         )
 
 
 # ---- consuming generations ---------------------------------------------------------------
 async def collect(generations: Sequence[Generation]) -> list[Outcome]:
-    """Run every generation to its end (concurrently); outcomes in prompt order. Closes
-    them all, also on failure or cancellation."""
+    """Run every generation to its end (concurrently); outcomes in prompt order. A
+    generation whose replica went away (`ReplicaLost`) is run again from the start where
+    it can be (`Generation.reopen`): nothing of it has reached the client. Closes them
+    all, also on failure or cancellation."""
+    running = list(generations)
 
-    async def one(g: Generation) -> Outcome:
-        parts: list[str] = []
-        ids: list[int] = []
-        logprobs: list[pb.TokenLogprob] = []
-        async for m in g.messages():
-            if m.text:
-                parts.append(m.text)
-            if m.logprobs:
-                ids.extend(m.token_ids)
-                logprobs.extend(m.logprobs)
-        return g.outcome("".join(parts), ids, logprobs)
+    async def one(index: int) -> Outcome:
+        while True:
+            g = running[index]
+            parts: list[str] = []
+            ids: list[int] = []
+            logprobs: list[pb.TokenLogprob] = []
+            try:
+                async for m in g.messages():
+                    if m.text:
+                        parts.append(m.text)
+                    if m.logprobs:
+                        ids.extend(m.token_ids)
+                        logprobs.extend(m.logprobs)
+            except ReplicaLost:
+                if g.reopen is None:
+                    raise
+                g.close()
+                running[index] = await g.reopen()
+                continue
+            return g.outcome("".join(parts), ids, logprobs)
 
     try:
-        return await gather_or_cancel([one(g) for g in generations])
+        return await gather_or_cancel([one(i) for i in range(len(running))])
     finally:
-        for g in generations:
+        for g in running:
             g.close()
 
 

@@ -576,7 +576,7 @@ class Router:
             # Counted at once, not when the task first runs: the next chunk's `pick` (of
             # this request too) must see this one on the replica.
             replica.acquire(tokens)
-            lost = any(code in _LOST for code in refusals)
+            lost = any(code in LOST for code in refusals)
             seconds_left = max(0.0, deadline - time.monotonic())
             task = asyncio.ensure_future(attempt(replica, seconds_left, admitted or lost))
             task.add_done_callback(functools.partial(_release, replica, tokens, keep))
@@ -661,8 +661,9 @@ def _release(replica: Replica, tokens: int, keep: bool, task: asyncio.Future[Any
 
 
 # The retryable failures that say the replica itself failed the call (gone, or stopping),
-# as opposed to a capacity refusal (RESOURCE_EXHAUSTED).
-_LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+# as opposed to a capacity refusal (RESOURCE_EXHAUSTED); also what ends a generation's
+# stream when its replica dies (`ivy.generation.ReplicaLost`).
+LOST = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 def no_replica_error(model: str, refusals: list[grpc.StatusCode]) -> IvyError:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -1114,3 +1115,52 @@ def test_replica_dying_mid_stream_sends_an_error_event(
     for _ in range(4):
         r = client.completions.create(model=name, prompt="Hello", max_tokens=2, temperature=0)
         assert r.usage.completion_tokens == 2
+
+
+def test_replica_dying_under_a_non_streamed_generation_loses_nothing(
+    base: str,
+    name: str,
+    cluster: UpCluster,
+    oracle: Oracle,
+) -> None:
+    """The client has seen nothing of a non-streamed answer: when its replica dies, Ivy
+    runs the generation again on the other one, and the answer is the one it would have
+    got (greedy), not a 503."""
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{base}/health/ready").json()["healthy_replicas"].get(name, 0) < 2:
+        assert time.monotonic() < deadline, "the replica killed before was not restarted"
+        time.sleep(0.2)
+    _wait_replicas_idle(cluster)
+    prompt = PROMPTS[1]
+    body = {"model": name, "prompt": prompt, "max_tokens": 200, "temperature": 0}
+    reference = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()
+    assert reference["choices"][0]["finish_reason"] == "length", reference
+    want, _, _ = oracle.greedy(oracle.tokenizer(prompt)["input_ids"], ORACLE_BUDGET)
+    assert reference["choices"][0]["text"].startswith(want)
+    errors0 = metric(httpx.get(f"{base}/metrics").text, "ivy_generations_total", outcome="error")
+
+    generated0 = {
+        pid: metric(text, "tulip_generated_tokens_total")
+        for pid, text in cluster.replica_metrics().items()
+    }
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        answer = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=120)
+        # Killed once its replica has streamed some of it to Ivy (before the first token
+        # the router's own retry would take it), long before it ends.
+        busy: list[int] = []
+        while not busy and not answer.done():
+            busy = [
+                pid
+                for pid, text in cluster.replica_metrics().items()
+                if metric(text, "tulip_generated_tokens_total") >= generated0[pid] + 20
+            ]
+        assert len(busy) == 1, busy  # caught while generating
+        os.kill(busy[0], signal.SIGKILL)
+        r = answer.result()
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert got["usage"] == reference["usage"]
+    # The lost run is counted as an error; the client never saw it.
+    errors = metric(httpx.get(f"{base}/metrics").text, "ivy_generations_total", outcome="error")
+    assert errors == errors0 + 1, cluster.text[-3000:]
