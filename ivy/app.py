@@ -98,7 +98,14 @@ log = logging.getLogger("ivy")
 _TITLE = "Trellis Ivy"
 _DESCRIPTION = "OpenAI-compatible embeddings, chat and completions; Cohere/Jina-compatible rerank."
 _ORJSON_OPTS = orjson.OPT_SERIALIZE_NUMPY
-# A union's first failing branch says little; these name the accepted forms instead.
+# A union's first failing branch says little; these name the accepted forms instead (a
+# request class's own entry first, then the field's).
+_REQUEST_FORMS = {
+    (ContextualizedEmbeddingRequest, "input"): (
+        "Invalid 'input': expected a non-empty array of documents, each a non-empty array of "
+        "non-empty strings (its chunks, in order)."
+    ),
+}
 _FORMS = {
     "input": (
         "Invalid 'input': expected a non-empty string, an array of non-empty strings, "
@@ -144,10 +151,12 @@ def _union_tag(part: object) -> bool:
     )
 
 
-def _validation_error(exc: pydantic.ValidationError) -> ValidationError:
+def _validation_error(
+    exc: pydantic.ValidationError, request: type[pydantic.BaseModel]
+) -> ValidationError:
     errors = exc.errors(include_url=False, include_context=False, include_input=False)
     param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None
-    forms = _FORMS.get(param or "")
+    forms = _REQUEST_FORMS.get((request, param or ""), _FORMS.get(param or ""))
     if forms is not None and (len(errors) > 1 or param != "input"):
         return ValidationError(forms, param=param)
     # A value that fits no member of a union fails once per member: report the member it
@@ -172,7 +181,7 @@ def _parse(body: bytes, model: type[pydantic.BaseModel]) -> Any:
     try:
         return model.model_validate(raw)
     except pydantic.ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise _validation_error(exc, model) from None
 
 
 # ---- the route table ---------------------------------------------------------------------

@@ -390,6 +390,13 @@ class Gateway:
                     f"`{req.input_type}`.",
                     param="instruction",
                 )
+            if not isinstance(inputs[0], str):
+                # token ids are sent as they are: the instruction would be dropped unseen
+                raise ValidationError(
+                    "An instruction applies to text input; with token ids, put the "
+                    "instruction's tokens in the ids.",
+                    param="instruction",
+                )
             prompt = model.instructed_prompt(req.instruction)
         else:
             prompt = model.prompt_for(req.input_type)

@@ -589,6 +589,8 @@ def test_contextualized_int8_by_default_matches_the_float_vectors(base: str) -> 
         ([[" ".join(["w5"] * 130)]], "over the limit of 128 tokens per document"),
         ([], "input"),
         ([[]], "input"),
+        # token ids are not a chunk form here (unlike /v1/embeddings' input)
+        ([[1, 2]], "each a non-empty array of non-empty strings"),
     ],
 )
 def test_contextualized_limits_are_400s_naming_them(
@@ -695,13 +697,22 @@ def test_an_instruction_takes_the_models_prompt_format(base: str, dirs: dict[str
 
 @pytest.mark.parametrize(
     ("name", "extra"),
-    [("mpnet", {}), ("qwen3-last", {"input_type": "document"})],
+    [
+        ("mpnet", {}),
+        ("qwen3-last", {"input_type": "document"}),
+        # token ids go as they are: an instruction would be dropped unseen
+        ("qwen3-last", {"input": [5, 6, 7]}),
+        ("qwen3-last", {"input": [[5, 6], [7]]}),
+    ],
 )
 def test_instructions_refused_where_they_do_not_fit(base: str, name: str, extra: dict) -> None:
     body = {"model": name, "input": ["w4"], "instruction": "find it", **extra}
     r = httpx.post(f"{base}/v1/embeddings", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "instruction"
+    assert (
+        httpx.post(f"{base}/v1/embeddings", json={**body, "instruction": None}).status_code == 200
+    )
 
 
 @pytest.mark.parametrize("instruction", [None, "Find passages about gardening"])
