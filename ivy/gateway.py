@@ -692,6 +692,8 @@ class Gateway:
                         )
                         parts.append((ids, lengths, lengths))
                     else:
+                        if cut:
+                            _check_pair_room(model, item[0], limit, len(parts))
                         parts.append(
                             model.tokenizer.encode_pairs_packed(
                                 item[0], item[1:], limit if cut else None
@@ -1001,6 +1003,21 @@ def _render_pair(
         messages, tok.special_tokens, add_generation_prompt=template.add_generation_prompt
     )
     return tok.encode_prompt(rendered.text, rendered.literals)
+
+
+def _check_pair_room(model: ServedModel, first: str, limit: int, index: int) -> None:
+    """A pair is cut in its second text only (HF's "only_second"): a first text that takes
+    the whole of the model's `limit` leaves nothing to cut, a 400 naming the pair."""
+    ids, _ = model.tokenizer.encode_batch_packed([first], False, None)
+    _, specials, _ = model.tokenizer.encode_pairs_packed("", [""], None)
+    if int(ids.size) + int(specials[0]) >= limit:
+        raise ValidationError(
+            f"The first text of pair {index} has {ids.size} tokens, leaving no room for the "
+            f"second within this model's limit of {limit} (pairs are cut in their second "
+            "text); shorten it.",
+            param="inputs",
+            code="context_length_exceeded",
+        )
 
 
 def _template_pairs(

@@ -662,6 +662,21 @@ def test_tei_predict_on_a_distilbert_cross_encoder(base: str, dirs: dict[str, Pa
     assert r.json()[0]["score"] == pytest.approx(want, abs=1e-4)
 
 
+def test_tei_predict_names_a_pair_whose_first_text_leaves_no_room(base: str) -> None:
+    """Pairs are cut in their second text: a first text over the model's limit (64 tokens)
+    cannot be fitted, a 400 naming `inputs`, not a tokenizer failure; the same texts the
+    other way round are cut and scored."""
+    long = " ".join(f"w{4 + i % 290}" for i in range(100))
+    body = {"model": "deberta-rr", "inputs": [long, "w4"], "truncate": True}
+    r = httpx.post(f"{base}/predict", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["param"], error["code"]) == ("inputs", "context_length_exceeded")
+    assert "pair 0" in error["message"] and "limit of 64" in error["message"]
+    swapped = {**body, "inputs": ["w4", long]}
+    assert httpx.post(f"{base}/predict", json=swapped, timeout=60).status_code == 200
+
+
 def test_embeddinggemma_equals_sentence_transformers(base: str, dirs: dict[str, Path]) -> None:
     """Gemma 3's sliding-window stack, the Dense projections after the pooling and the task
     prompts, as sentence-transformers runs the directory it wrote."""
