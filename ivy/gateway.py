@@ -681,6 +681,10 @@ class Gateway:
         cut = self.auto_truncate if req.truncate is None else req.truncate
         limit = model.spec.max_input_tokens
         t0 = time.perf_counter()
+        # what the tokenizer adds around a pair, counted once for the request's pairs
+        specials = 0
+        if cut and any(len(item) > 1 for item in items):
+            specials = int(model.tokenizer.encode_pairs_packed("", [""], None)[1][0])
         deadline, claim = self._admit(name, [t for item in items for t in item])
         with claim:
             with tracing.span("tokenize", inputs=len(items)):
@@ -693,7 +697,7 @@ class Gateway:
                         parts.append((ids, lengths, lengths))
                     else:
                         if cut:
-                            _check_pair_room(model, item[0], limit, len(parts))
+                            _check_pair_room(model, item[0], limit, specials, len(parts))
                         parts.append(
                             model.tokenizer.encode_pairs_packed(
                                 item[0], item[1:], limit if cut else None
@@ -1005,12 +1009,12 @@ def _render_pair(
     return tok.encode_prompt(rendered.text, rendered.literals)
 
 
-def _check_pair_room(model: ServedModel, first: str, limit: int, index: int) -> None:
-    """A pair is cut in its second text only (HF's "only_second"): a first text that takes
-    the whole of the model's `limit` leaves nothing to cut, a 400 naming the pair."""
+def _check_pair_room(model: ServedModel, first: str, limit: int, specials: int, index: int) -> None:
+    """A pair is cut in its second text only (HF's "only_second"): a first text that takes,
+    with the pair's `specials` tokens, the whole of the model's `limit` leaves nothing to
+    cut, a 400 naming the pair."""
     ids, _ = model.tokenizer.encode_batch_packed([first], False, None)
-    _, specials, _ = model.tokenizer.encode_pairs_packed("", [""], None)
-    if int(ids.size) + int(specials[0]) >= limit:
+    if int(ids.size) + specials >= limit:
         raise ValidationError(
             f"The first text of pair {index} has {ids.size} tokens, leaving no room for the "
             f"second within this model's limit of {limit} (pairs are cut in their second "
