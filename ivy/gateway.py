@@ -390,23 +390,16 @@ class Gateway:
                     f"`{req.input_type}`.",
                     param="instruction",
                 )
-            if not isinstance(inputs[0], str):
-                # token ids are sent as they are: the instruction would be dropped unseen
-                raise ValidationError(
-                    "An instruction applies to text input; with token ids, put the "
-                    "instruction's tokens in the ids.",
-                    param="instruction",
-                )
-            prompt = model.instructed_prompt(req.instruction)
+            prompt = _text_prompt(inputs, model.instructed_prompt(req.instruction), "instruction")
         else:
-            prompt = model.prompt_for(req.input_type)
+            prompt = _text_prompt(inputs, model.prompt_for(req.input_type), "input_type")
         if req.output == "sparse":
             return await self._sparse_embeddings(req, model, inputs, prompt, timings)
         vectors, tokens = await self.embed(
             model,
             inputs,
             timings,
-            prompt=prompt if isinstance(inputs[0], str) else "",
+            prompt=prompt,
             truncate=req.truncate,
             left=req.truncation_direction.lower() == "left",
             dimensions=req.dimensions,
@@ -445,7 +438,7 @@ class Gateway:
             inputs,
             timings,
             outputs=("sparse",),
-            prompt=prompt if isinstance(inputs[0], str) else "",
+            prompt=prompt,
             truncate=req.truncate,
             left=req.truncation_direction.lower() == "left",
         )
@@ -484,8 +477,8 @@ class Gateway:
     ) -> tuple[EmbedOutputs, int]:
         inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
         prompt = ""
-        if req.prompt_name is not None and isinstance(inputs[0], str):
-            prompt = model.prompt_named(req.prompt_name)
+        if req.prompt_name is not None:
+            prompt = _text_prompt(inputs, model.prompt_named(req.prompt_name), "prompt_name")
         return await self.embed_outputs(
             model,
             inputs,
@@ -606,8 +599,8 @@ class Gateway:
         model = self.embedder(req.model)
         inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
         prompt = ""
-        if req.prompt_name is not None and isinstance(inputs[0], str):
-            prompt = model.prompt_named(req.prompt_name)
+        if req.prompt_name is not None:
+            prompt = _text_prompt(inputs, model.prompt_named(req.prompt_name), "prompt_name")
         vectors, _ = await self.embed(
             model,
             inputs,
@@ -681,10 +674,6 @@ class Gateway:
         cut = self.auto_truncate if req.truncate is None else req.truncate
         limit = model.spec.max_input_tokens
         t0 = time.perf_counter()
-        # what the tokenizer adds around a pair, counted once for the request's pairs
-        specials = 0
-        if cut and any(len(item) > 1 for item in items):
-            specials = int(model.tokenizer.encode_pairs_packed("", [""], None)[1][0])
         deadline, claim = self._admit(name, [t for item in items for t in item])
         with claim:
             with tracing.span("tokenize", inputs=len(items)):
@@ -695,9 +684,7 @@ class Gateway:
                             item, True, limit if cut else None
                         )
                         parts.append((ids, lengths, lengths))
-                    else:
-                        if cut:
-                            _check_pair_room(model, item[0], limit, specials, len(parts))
+                    else:  # cut as TEI and CrossEncoder do: longest first
                         parts.append(
                             model.tokenizer.encode_pairs_packed(
                                 item[0], item[1:], limit if cut else None
@@ -789,7 +776,7 @@ class Gateway:
         self.check_count(len(docs), param, "documents")
         spec = model.spec
         # Everything about the request is checked before it is admitted: a query with no
-        # room for a document is a 400 however busy the replicas are.
+        # room for a document in a model's prompt is a 400 however busy the replicas are.
         if spec.kind == CROSS_ENCODER:
             if left:
                 raise ValidationError(
@@ -801,13 +788,9 @@ class Gateway:
             if template is None:
                 # sentence-transformers' `prompt` goes before the query.
                 query = (req.instruction or "") + req.query
-                q_ids, _ = model.tokenizer.encode_batch_packed([query], False, None)
-                _, specials, _ = model.tokenizer.encode_pairs_packed("", [""], None)
-                fixed = int(q_ids.size) + int(specials[0])
-                _check_room(fixed, spec.max_input_tokens, "with the pair's special tokens")
             else:
                 fixed = int(_render_pair(model, template, req, "").size)
-                _check_room(fixed, spec.max_input_tokens, "in the model's prompt")
+                _check_room(fixed, spec.max_input_tokens)
         else:
             q_prompt = (
                 model.instructed_prompt(req.instruction) if req.instruction else spec.query_prompt
@@ -825,20 +808,17 @@ class Gateway:
                         )
                     first = lengths.astype(np.uint32)  # one segment: the rendered prompt
                 else:
-                    # Pairs as `tokenizer(query, document)` builds them. Only documents are
-                    # cut: to max_tokens_per_doc of their own tokens, and so that the pair
-                    # fits the model (HF's "only_second"; the "longest_first" of
-                    # sentence-transformers' CrossEncoder cuts the same tokens whenever the
-                    # query takes at most half of the room).
-                    max_len = spec.max_input_tokens
-                    if per_doc is not None:
-                        max_len = min(max_len, fixed + per_doc)
+                    # Pairs as `tokenizer(query, document, truncation=True)` builds them in
+                    # sentence-transformers' CrossEncoder, TEI and vLLM: a document is cut to
+                    # max_tokens_per_doc of its own tokens, then the pair to the model's
+                    # limit, longest first (a query over half the room is cut too).
                     with tracing.span("tokenize", inputs=len(docs)):
                         ids, lengths, first = await asyncio.to_thread(
                             model.tokenizer.encode_pairs_packed,
                             query,
                             docs,
-                            max_len if cut else None,
+                            spec.max_input_tokens if cut else None,
+                            per_doc,
                         )
                 if not cut:
                     _check_lengths(lengths, spec.max_input_tokens, param)
@@ -985,12 +965,28 @@ _ENCODINGS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 _DOCUMENT_TYPES = ("search_document", "document", "passage")
 
 
-def _check_room(fixed: int, limit: int, with_what: str) -> None:
-    """Refuse a query that leaves no room for a document in the model's limit."""
+def _text_prompt(
+    inputs: Sequence[str] | Sequence[int] | Sequence[Sequence[int]], prompt: str, param: str
+) -> str:
+    """The `prompt` that `param` asks for, before text `inputs`. Token ids are embedded as
+    they are sent, so a prompt with them would be dropped unseen (the vector equals the
+    unprompted one): a 400 naming `param`."""
+    if prompt and not isinstance(inputs[0], str):
+        raise ValidationError(
+            f"`{param}` puts this model's prompt {prompt!r} before text input; with token "
+            "ids, put the prompt's tokens in the ids instead.",
+            param=param,
+        )
+    return prompt if isinstance(inputs[0], str) else ""
+
+
+def _check_room(fixed: int, limit: int) -> None:
+    """Refuse a query that leaves no room for a document in the model's prompt, which
+    keeps the query whole."""
     if fixed >= limit:
         raise ValidationError(
-            f"The query takes {fixed} tokens {with_what}, which leaves no room for a document "
-            f"within this model's limit of {limit} tokens.",
+            f"The query takes {fixed} tokens in the model's prompt, which leaves no room for a "
+            f"document within this model's limit of {limit} tokens.",
             param="query",
             code="context_length_exceeded",
         )
@@ -1007,21 +1003,6 @@ def _render_pair(
         messages, tok.special_tokens, add_generation_prompt=template.add_generation_prompt
     )
     return tok.encode_prompt(rendered.text, rendered.literals)
-
-
-def _check_pair_room(model: ServedModel, first: str, limit: int, specials: int, index: int) -> None:
-    """A pair is cut in its second text only (HF's "only_second"): a first text that takes,
-    with the pair's `specials` tokens, the whole of the model's `limit` leaves nothing to
-    cut, a 400 naming the pair."""
-    ids, _ = model.tokenizer.encode_batch_packed([first], False, None)
-    if int(ids.size) + specials >= limit:
-        raise ValidationError(
-            f"The first text of pair {index} has {ids.size} tokens, leaving no room for the "
-            f"second within this model's limit of {limit} (pairs are cut in their second "
-            "text); shorten it.",
-            param="inputs",
-            code="context_length_exceeded",
-        )
 
 
 def _template_pairs(

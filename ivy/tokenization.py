@@ -25,7 +25,7 @@ import numpy as np
 if TYPE_CHECKING:
     import tokenizers
 
-__all__ = ["PackedIds", "TextTokenizer", "TokenizationError", "load_tokenizer"]
+__all__ = ["PackedIds", "TextTokenizer", "TokenizationError", "load_tokenizer", "longest_first"]
 
 PackedIds = tuple[np.ndarray, np.ndarray]
 
@@ -47,8 +47,17 @@ class TextTokenizer(Protocol):
     ) -> PackedIds: ...
 
     def encode_pairs_packed(
-        self, query: str, documents: Sequence[str], max_length: int | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+        self,
+        query: str,
+        documents: Sequence[str],
+        max_length: int | None = None,
+        max_second: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`tokenizer(query, document)` for each document: packed ids, lengths, and the
+        ids before each document's tokens. ``max_second`` cuts each document to that many
+        of its own tokens; ``max_length`` then cuts each pair as HF's default
+        ``longest_first`` strategy does (`longest_first`)."""
+        ...
 
     def encode_with_offsets(
         self, text: str, add_special_tokens: bool = True
@@ -105,6 +114,18 @@ def _splice_literals(
     return np.asarray(out, dtype=np.uint32)
 
 
+def longest_first(n1: int, n2: int, room: int) -> tuple[int, int]:
+    """The lengths HF's ``longest_first`` truncation keeps of a pair of ``n1`` and ``n2``
+    tokens in ``room`` (the maximum length less the pair's special tokens): nothing is cut
+    when both fit; else the longer is cut to what the shorter leaves, unless the shorter
+    takes over half the room, and then it keeps ``room // 2`` (a tie counts the first
+    sequence as the shorter). The Rust tokenizer's `longest_first` is the same rule."""
+    if n1 + n2 <= room:
+        return n1, n2
+    short = min(n1, n2, room // 2)
+    return (room - short, short) if n1 > n2 else (short, room - short)
+
+
 class RustTokenizer:
     """Trellis' Unigram tokenizer (packed output, parallel, GIL released)."""
 
@@ -130,11 +151,15 @@ class RustTokenizer:
         return np.asarray(ids, dtype=np.uint32), np.asarray(lengths, dtype=np.uint32)
 
     def encode_pairs_packed(
-        self, query: str, documents: Sequence[str], max_length: int | None = None
+        self,
+        query: str,
+        documents: Sequence[str],
+        max_length: int | None = None,
+        max_second: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         try:
             ids, lengths, first = self._tok.encode_pairs_packed(  # type: ignore[attr-defined]
-                query, list(documents), max_length=max_length
+                query, list(documents), max_length=max_length, max_second=max_second
             )
         except self._error as exc:
             raise TokenizationError(str(exc)) from None
@@ -232,20 +257,35 @@ class HFTokenizer:
         return self._pack(rows)
 
     def encode_pairs_packed(
-        self, query: str, documents: Sequence[str], max_length: int | None = None
+        self,
+        query: str,
+        documents: Sequence[str],
+        max_length: int | None = None,
+        max_second: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         tok = self._tok
+        room = None
+        if max_length is not None:
+            room = max_length - tok.num_special_tokens_to_add(True)
+            if room < 0:
+                raise TokenizationError(f"max_length {max_length} is below the special tokens")
         q = tok.encode(query, add_special_tokens=False)
-        docs = tok.encode_batch(list(documents), add_special_tokens=False)
+        cut_queries = {len(q.ids): q}  # the query kept to n tokens, by n
         rows, first = [], []
-        for d in docs:
-            if max_length is not None:
-                budget = max_length - len(q.ids) - tok.num_special_tokens_to_add(True)
-                if budget < 0:
-                    raise TokenizationError(f"max_length {max_length} leaves no document tokens")
-                if len(d.ids) > budget:
-                    d.truncate(max(budget, 0))
-            pair = tok.post_process(q, d, add_special_tokens=True)
+        for d in tok.encode_batch(list(documents), add_special_tokens=False):
+            if max_second is not None and len(d.ids) > max_second:
+                d.truncate(max_second)
+            kept = q
+            if room is not None:
+                n1, n2 = longest_first(len(q.ids), len(d.ids), room)
+                if n2 < len(d.ids):
+                    d.truncate(n2)
+                kept = cut_queries.get(n1)
+                if kept is None:
+                    kept = tok.encode(query, add_special_tokens=False)
+                    kept.truncate(n1)
+                    cut_queries[n1] = kept
+            pair = tok.post_process(kept, d, add_special_tokens=True)
             types = pair.type_ids
             n0 = next((i for i, t in enumerate(types) if t != 0), len(types))
             rows.append(pair.ids)

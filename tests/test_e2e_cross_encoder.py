@@ -33,6 +33,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 from up_cluster import UpCluster, start_up, stop_up
 
 FAMILIES = ("xlmr", "bert")
@@ -477,18 +478,62 @@ def test_batch_split_over_replicas_matches_cross_encoder(
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_query_without_room_for_documents_is_400(
-    family: str, clusters: dict[str, UpCluster]
+def test_a_long_query_is_cut_with_its_documents_as_cross_encoder_cuts_them(
+    family: str, clusters: dict[str, UpCluster], oracles: dict[str, Any]
 ) -> None:
+    """A query over half the model's room is cut too, longest first, as CrossEncoder, TEI
+    and vLLM cut pairs: /v1/rerank, TEI's /rerank and /predict score what CrossEncoder
+    scores (they once refused it, 400); max_tokens_per_doc cuts each document to its own
+    tokens before the pair is fitted."""
     cluster = clusters[family]
+    encoder = oracles[family]
+    tok = encoder.tokenizer
+    query = "how do plants grow from seeds in warm and wet soil? " * 3
+    n_query = len(tok(query, add_special_tokens=False)["input_ids"])
+    assert POSITIONS // 2 < n_query < POSITIONS  # cut with a long document, not a short
+    want = predict(encoder, query, DOCS)
+    per_doc = 3
+
+    fit = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    fit.no_padding()
+    fit.enable_truncation(POSITIONS)  # longest_first: `post_process` cuts the pair
+
+    def capped(doc: str) -> float:  # the document's first 3 tokens, then the pair fitted
+        d = fit.encode(doc, add_special_tokens=False)
+        d.truncate(per_doc)
+        pair = fit.post_process(fit.encode(query, add_special_tokens=False), d)
+        inputs = {"input_ids": torch.tensor([pair.ids])}
+        if family == "bert":
+            inputs["token_type_ids"] = torch.tensor([pair.type_ids])
+        with torch.no_grad():
+            return torch.sigmoid(encoder.model(**inputs).logits[0, 0]).item()
+
+    want_capped = np.array([capped(d) for d in DOCS])
     with httpx.Client(base_url=cluster.base_url, timeout=60) as client:
-        r = client.post(
-            "/v1/rerank",
-            json={"model": cluster.name, "query": "plants " * 80, "documents": DOCS[:2]},
-        )
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == "query" and error["code"] == "context_length_exceeded", error
+        for extra, expected in (({}, want), ({"max_tokens_per_doc": per_doc}, want_capped)):
+            body = _rerank(client, cluster.name, query, DOCS, return_documents=False, **extra)
+            got = np.zeros(len(DOCS))
+            got[[r["index"] for r in body["results"]]] = [
+                r["relevance_score"] for r in body["results"]
+            ]
+            np.testing.assert_allclose(got, expected, atol=ATOL)
+        tei = client.post("/rerank", json={"query": query, "texts": DOCS, "truncate": True})
+        assert tei.status_code == 200, tei.text
+        got = np.zeros(len(DOCS))
+        got[[r["index"] for r in tei.json()]] = [r["score"] for r in tei.json()]
+        np.testing.assert_allclose(got, want, atol=ATOL)
+        inputs = [[query, d] for d in DOCS]
+        r = client.post("/predict", json={"inputs": inputs, "truncate": True})
+        assert r.status_code == 200, r.text
+        np.testing.assert_allclose([row[0]["score"] for row in r.json()], want, atol=ATOL)
+        # swapped: the long text second, the documents first
+        r = client.post("/predict", json={"inputs": [[d, query] for d in DOCS], "truncate": True})
+        assert r.status_code == 200, r.text
+        swapped = np.array([predict(encoder, d, [query])[0] for d in DOCS])
+        np.testing.assert_allclose([row[0]["score"] for row in r.json()], swapped, atol=ATOL)
+        # without truncate, an over-long pair is refused
+        refused = client.post("/predict", json={"inputs": inputs})
+        assert refused.status_code == 400, refused.text
 
 
 def _rerank(client: httpx.Client, model: str, query: str, documents: list, **extra: Any) -> dict:

@@ -451,8 +451,12 @@ def _rose(path: Path, texts: list[str]) -> np.ndarray:
     return np.asarray(engine.step(RaggedBatch.from_lists(rows)).wait(), dtype=np.float32)
 
 
-def _reference_scores(path: Path, query: str, docs: list[str]) -> np.ndarray:
+def _reference_scores(
+    path: Path, query: str, docs: list[str], max_length: int | None = None
+) -> np.ndarray:
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    if max_length is not None:
+        tok.enable_truncation(max_length)  # longest_first, HF's default
     model = transformers.AutoModelForSequenceClassification.from_pretrained(path).eval()
     scores = []
     with torch.no_grad():
@@ -662,19 +666,18 @@ def test_tei_predict_on_a_distilbert_cross_encoder(base: str, dirs: dict[str, Pa
     assert r.json()[0]["score"] == pytest.approx(want, abs=1e-4)
 
 
-def test_tei_predict_names_a_pair_whose_first_text_leaves_no_room(base: str) -> None:
-    """Pairs are cut in their second text: a first text over the model's limit (64 tokens)
-    cannot be fitted, a 400 naming `inputs`, not a tokenizer failure; the same texts the
-    other way round are cut and scored."""
+def test_tei_predict_cuts_a_long_pair_longest_first(base: str, dirs: dict[str, Path]) -> None:
+    """TEI's /predict with `truncate` on a DeBERTa-v2 cross-encoder (64 tokens): a first
+    text over the limit is cut with its pair, longest first, as `tokenizers` cuts it (it
+    was once a 400), either way round and with both texts long."""
     long = " ".join(f"w{4 + i % 290}" for i in range(100))
-    body = {"model": "deberta-rr", "inputs": [long, "w4"], "truncate": True}
+    other = " ".join(f"w{9 + i % 200}" for i in range(45))
+    pairs = [[long, "w4"], ["w4", long], [long, other]]
+    body = {"model": "deberta-rr", "inputs": pairs, "truncate": True}
     r = httpx.post(f"{base}/predict", json=body, timeout=60)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert (error["param"], error["code"]) == ("inputs", "context_length_exceeded")
-    assert "pair 0" in error["message"] and "limit of 64" in error["message"]
-    swapped = {**body, "inputs": ["w4", long]}
-    assert httpx.post(f"{base}/predict", json=swapped, timeout=60).status_code == 200
+    assert r.status_code == 200, r.text
+    want = [_reference_scores(dirs["deberta-rr"], a, [b], max_length=64)[0] for a, b in pairs]
+    np.testing.assert_allclose([row[0]["score"] for row in r.json()], want, atol=1e-4)
 
 
 def test_embeddinggemma_equals_sentence_transformers(base: str, dirs: dict[str, Path]) -> None:
@@ -728,6 +731,30 @@ def test_instructions_refused_where_they_do_not_fit(base: str, name: str, extra:
     assert (
         httpx.post(f"{base}/v1/embeddings", json={**body, "instruction": None}).status_code == 200
     )
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/embeddings", {"input": [5, 6, 7], "input_type": "query"}, "input_type"),
+        ("/v1/embeddings", {"input": [[5, 6], [7]], "input_type": "document"}, "input_type"),
+        ("/embed", {"inputs": [[5, 6], [7]], "prompt_name": "query"}, "prompt_name"),
+        ("/embed_all", {"inputs": [[5, 6]], "prompt_name": "document"}, "prompt_name"),
+    ],
+)
+def test_a_prompt_with_token_ids_is_refused_not_dropped(
+    base: str, path: str, body: dict, param: str
+) -> None:
+    """Token ids are embedded as sent: a prompt asked for with them (EmbeddingGemma's
+    query and document prompts) was dropped unseen, the vector the unprompted one; now a
+    400 naming the field. Without it the ids are embedded."""
+    body = {"model": "gemma3-embed", **body}
+    r = httpx.post(f"{base}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    bare = {k: v for k, v in body.items() if k != param}
+    ok = httpx.post(f"{base}{path}", json=bare, timeout=60)
+    assert ok.status_code == 200, ok.text
 
 
 @pytest.mark.parametrize("instruction", [None, "Find passages about gardening"])

@@ -89,18 +89,27 @@ def test_packed_batches_equal_reference(loaded: dict[Path, list], max_length: in
             assert unpack(ids, lengths) == want, (path, tok.backend)
 
 
-def test_pairs_truncate_only_the_document(xlmr: Path, loaded: dict[Path, list]) -> None:
-    rust, hf, ref = loaded[xlmr]
-    for tok in (rust, hf):
-        ids, lengths, first = tok.encode_pairs_packed("how do plants grow", TEXTS, 64)
-        rows = unpack(ids, lengths)
-        assert max(len(r) for r in rows) == 64
-        query = ref.encode("how do plants grow").ids
-        for row in rows:
-            assert row[: len(query)] == query  # the query is never cut
-        assert first.shape == lengths.shape
-    a, b = rust.encode_pairs_packed("q", TEXTS, 64), hf.encode_pairs_packed("q", TEXTS, 64)
-    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+@pytest.mark.parametrize("query", ["how do plants grow", TEXTS[2]])
+def test_pairs_are_cut_longest_first(
+    xlmr: Path, minilm: Path, loaded: dict[Path, list], query: str
+) -> None:
+    """Both backends cut pairs as HF's default `longest_first` does (a query over half the
+    room gives up tokens too), after `max_second` cut each document to its own tokens."""
+    for path in (xlmr, minilm):
+        ref = Tokenizer.from_file(str(path))
+        ref.no_padding()
+        ref.enable_truncation(64)
+        want = [e.ids for e in ref.encode_batch([(query, t) for t in TEXTS])]
+        q = ref.encode(query, add_special_tokens=False)
+        capped = []  # each document cut to 5 of its tokens, then the pair by `ref`'s rule
+        for d in ref.encode_batch(TEXTS, add_special_tokens=False):
+            d.truncate(5)
+            capped.append(ref.post_process(q, d).ids)
+        for tok in loaded[path][:2]:
+            rows = unpack(*tok.encode_pairs_packed(query, TEXTS, 64)[:2])
+            assert rows == want, (path.parent.name, tok.backend)
+            assert unpack(*tok.encode_pairs_packed(query, TEXTS, 64, 5)[:2]) == capped
+        assert query != TEXTS[2] or len(q.ids) == 64  # over the room: cut in every pair
 
 
 def test_offsets_and_errors(xlmr: Path, loaded: dict[Path, list]) -> None:

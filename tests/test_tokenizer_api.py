@@ -97,8 +97,9 @@ def test_wrong_argument_types_raise_type_error(tok: Tokenizer) -> None:
 def test_max_length_below_template_raises(tok: Tokenizer) -> None:
     with pytest.raises(TokenizerError, match="max_length"):
         tok.encode("hello", max_length=1)
-    with pytest.raises(TokenizerError):
-        tok.encode_pair("a long first segment here", "b", max_length=5)
+    with pytest.raises(TokenizerError, match="max_length"):
+        tok.encode_pair("a", "b", max_length=3)  # <s> A </s></s> B </s>: 4 template tokens
+    assert len(tok.encode_pair("a long first segment here", "b", max_length=5)) == 5
 
 
 def test_packed_layout(tok: Tokenizer) -> None:

@@ -164,19 +164,29 @@ def test_decode(shape: dict, corpus: list[str], edges: list[str], hf_ids: dict) 
         )
 
 
-@pytest.mark.parametrize("max_length", [None, 24, 64])
-def test_pairs(shape: dict, corpus: list[str], max_length: int | None) -> None:
+@pytest.mark.parametrize("max_length", [None, 24, 25, 64])
+@pytest.mark.parametrize("query", ["short", "long"])
+def test_pairs(shape: dict, corpus: list[str], max_length: int | None, query: str) -> None:
+    """Pairs as HF builds them, cut to `max_length` by its default `longest_first`
+    strategy: a short query keeps its tokens and the document gives up its own; a query
+    longer than half the room is cut too (odd and even rooms)."""
     hf = tokenizers.Tokenizer.from_str(shape["hf"].to_str())
     if max_length is not None:
-        hf.enable_truncation(max_length, strategy="only_second")
+        hf.enable_truncation(max_length)  # strategy longest_first
     ours = shape["ours"]
-    query = "what is the boiling point of water?"
+    query = "what is the boiling point of water?" if query == "short" else " ".join(corpus[7:27])
+    n_query = len(ours.encode(query, add_special_tokens=False))
     docs = corpus[100:1100]
-    want = [hf.encode(query, d).ids for d in docs]
+    encodings = [hf.encode(query, d) for d in docs]
+    want = [e.ids for e in encodings]
     got = [ours.encode_pair(query, d, max_length=max_length) for d in docs]
     assert not _first_mismatch(docs, got, want)
     ids, lengths, first = ours.encode_pairs_packed(query, docs, max_length=max_length)
     assert lengths.tolist() == [len(w) for w in want]
     assert ids.tolist() == [i for w in want for i in w]
-    n_query = len(ours.encode(query, add_special_tokens=False))
-    assert first.tolist() == [n_query + 3] * len(docs)  # <s> A </s></s>
+    # everything before the document's first token belongs to the first segment
+    cut = [e.sequence_ids.index(1) for e in encodings if 1 in e.sequence_ids]
+    assert len(cut) == len(docs)
+    assert first.tolist() == cut
+    if max_length is not None and n_query > max_length:
+        assert max(e.sequence_ids.count(0) for e in encodings) < n_query  # the query was cut

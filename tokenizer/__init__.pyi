@@ -46,7 +46,11 @@ class Tokenizer:
         self, a: str, b: str, add_special_tokens: bool = True, max_length: int | None = None
     ) -> list[int]: ...
     def encode_pairs_packed(
-        self, query: str, documents: Sequence[str], max_length: int | None = None
+        self,
+        query: str,
+        documents: Sequence[str],
+        max_length: int | None = None,
+        max_second: int | None = None,
     ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32], npt.NDArray[np.uint32]]: ...
     def encode_with_offsets(
         self, text: str, add_special_tokens: bool = True

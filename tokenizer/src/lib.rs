@@ -32,7 +32,7 @@ mod python;
 
 pub use error::Error;
 pub use pages::PageKind;
-pub use tokenizer::{Encoding, Scratch, Tokenizer};
+pub use tokenizer::{longest_first, Encoding, PairLimits, Scratch, Tokenizer};
 pub use unigram::{Unigram, ViterbiScratch};
 pub use words::DEFAULT_WORD_CACHE;
 

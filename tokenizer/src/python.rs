@@ -15,7 +15,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyString, PyTuple};
 
-use crate::{Error, Scratch, Tokenizer};
+use crate::{Error, PairLimits, Scratch, Tokenizer};
 
 pyo3::create_exception!(
     _native,
@@ -383,7 +383,11 @@ impl PyTokenizer {
         let run = || {
             self.scratches.with(|s| {
                 let mut out = Vec::new();
-                tok.encode_pair_into(a, b, add_special_tokens, max_length, s, &mut out)
+                let limits = PairLimits {
+                    max_length,
+                    max_second: None,
+                };
+                tok.encode_pair_into(a, b, add_special_tokens, limits, s, &mut out)
                     .map(|_| out)
             })
         };
@@ -395,17 +399,22 @@ impl PyTokenizer {
         r.map_err(to_py)
     }
 
-    #[pyo3(signature = (query, documents, max_length=None))]
+    #[pyo3(signature = (query, documents, max_length=None, max_second=None))]
     fn encode_pairs_packed<'py>(
         &self,
         py: Python<'py>,
         query: &str,
         documents: &Bound<'py, PyAny>,
         max_length: Option<usize>,
+        max_second: Option<usize>,
     ) -> PyResult<(U32Array<'py>, U32Array<'py>, U32Array<'py>)> {
         let items = str_items(documents, "documents")?;
         let docs = as_strs(&items)?;
         let tok = &*self.inner;
+        let limits = PairLimits {
+            max_length,
+            max_second,
+        };
         let chunks = chunks_of(&docs);
         let bytes = total_bytes(&docs) + query.len() * docs.len();
         type Part = Result<(Vec<u32>, Vec<u32>, Vec<u32>), Error>;
@@ -414,7 +423,7 @@ impl PyTokenizer {
                 let (mut ids, mut lens, mut firsts) = (Vec::new(), Vec::new(), Vec::new());
                 let mut one = Vec::new();
                 for d in chunks[i] {
-                    let first = tok.encode_pair_into(query, d, true, max_length, s, &mut one)?;
+                    let first = tok.encode_pair_into(query, d, true, limits, s, &mut one)?;
                     ids.extend_from_slice(&one);
                     lens.push(one.len() as u32);
                     firsts.push(first as u32);

@@ -40,6 +40,17 @@ pub(crate) fn buffer_bytes<T>(v: &Vec<T>) -> usize {
     v.capacity() * std::mem::size_of::<T>()
 }
 
+/// How [`Tokenizer::encode_pair_into`] cuts a pair (the default: not at all).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PairLimits {
+    /// Ids in all, template tokens included, reached the way HF's default `longest_first`
+    /// strategy does ([`longest_first`]): the longer sequence gives up tokens first, and
+    /// when both are over half the room the shorter keeps half of it.
+    pub max_length: Option<usize>,
+    /// Tokens of the second sequence's own, cut to before `max_length` applies.
+    pub max_second: Option<usize>,
+}
+
 /// A loaded tokenizer: immutable, shared freely across threads.
 ///
 /// All per-call working memory lives in a [`Scratch`] the caller owns and reuses, so
@@ -371,18 +382,24 @@ impl Tokenizer {
 
     /// Encodes the pair `(a, b)` with the pair template into `out`; returns how many of
     /// the leading ids belong to the first segment (its template tokens included, i.e.
-    /// everything before the second sequence's tokens). `max_length` truncates the second
-    /// sequence only (HF's `only_second` strategy).
+    /// everything before the second sequence's tokens).
+    ///
+    /// `limits` cut the pair ([`PairLimits`]).
     pub fn encode_pair_into(
         &self,
         a: &str,
         b: &str,
         add_special_tokens: bool,
-        max_length: Option<usize>,
+        limits: PairLimits,
         scratch: &mut Scratch,
         out: &mut Vec<u32>,
     ) -> Result<usize, Error> {
         out.clear();
+        let PairLimits {
+            max_length,
+            max_second,
+        } = limits;
+        let room = self.budget(max_length, add_special_tokens, true)?;
         let mut first = std::mem::take(&mut scratch.first);
         let mut second = std::mem::take(&mut scratch.second);
         first.clear();
@@ -397,39 +414,23 @@ impl Tokenizer {
             },
             scratch,
         );
-        let mut result = Ok(());
-        let budget = match max_length {
-            None => usize::MAX,
-            Some(max) => {
-                let fixed = first.len()
-                    + if add_special_tokens {
-                        self.num_special_tokens(true)
-                    } else {
-                        0
-                    };
-                match max.checked_sub(fixed) {
-                    Some(b) if b > 0 => b,
-                    _ => {
-                        result = Err(Error::truncation(format!(
-                            "max_length {max} leaves no room for the second sequence (the first takes {fixed} tokens)"
-                        )));
-                        0
-                    }
-                }
-            }
-        };
-        if result.is_ok() {
-            self.encode_content(
-                b,
-                &mut Sink {
-                    ids: &mut second,
-                    offsets: None,
-                    budget,
-                    split_special: false,
-                },
-                scratch,
-            );
-            second.truncate(budget);
+        // Enough of `b` to tell which sequence is the shorter and, when `b` is, its length.
+        let budget = max_second.unwrap_or(usize::MAX).min(room.max(first.len()));
+        self.encode_content(
+            b,
+            &mut Sink {
+                ids: &mut second,
+                offsets: None,
+                budget,
+                split_special: false,
+            },
+            scratch,
+        );
+        second.truncate(budget);
+        if max_length.is_some() {
+            let (n1, n2) = longest_first(first.len(), second.len(), room);
+            first.truncate(n1);
+            second.truncate(n2);
         }
         let split = if add_special_tokens {
             self.apply_template(&self.pair, &first, &second, out)
@@ -441,7 +442,7 @@ impl Tokenizer {
         scratch.first = first;
         scratch.second = second;
         scratch.trim();
-        result.map(|()| split)
+        Ok(split)
     }
 
     /// Encodes `text` with byte offsets into it (allocating; not the hot path).
@@ -832,4 +833,22 @@ fn span(align: &[Align], a: usize, b: usize, seg_start: usize) -> (usize, usize)
         seg_start + align[a].0 as usize,
         seg_start + align[b - 1].1 as usize,
     )
+}
+
+/// The lengths HF's `longest_first` truncation keeps of a pair of `n1` and `n2` tokens in
+/// `room` tokens (the maximum length less the template's). Nothing is cut when both fit.
+/// Else the longer is cut to the room the shorter leaves, unless the shorter takes more
+/// than half of it: then the shorter keeps `room / 2` and the longer the rest (a tie counts
+/// the first sequence as the shorter). Invariant: each result is at most its input, and
+/// their sum is `room` whenever `n1 + n2 > room`.
+pub fn longest_first(n1: usize, n2: usize, room: usize) -> (usize, usize) {
+    if n1.saturating_add(n2) <= room {
+        return (n1, n2);
+    }
+    let short = n1.min(n2).min(room / 2);
+    if n1 > n2 {
+        (room - short, short)
+    } else {
+        (short, room - short)
+    }
 }

@@ -6,7 +6,7 @@ mod common;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
-use trellis_tokenizer::{Scratch, Tokenizer};
+use trellis_tokenizer::{PairLimits, Scratch, Tokenizer};
 
 struct Counting;
 
@@ -75,8 +75,15 @@ fn steady_state_encoding_allocates_nothing() {
             for t in &texts {
                 tok.encode_into(t, true, None, &mut scratch, &mut out)
                     .unwrap();
-                tok.encode_pair_into("a query", t, true, None, &mut scratch, &mut out)
-                    .unwrap();
+                tok.encode_pair_into(
+                    "a query",
+                    t,
+                    true,
+                    PairLimits::default(),
+                    &mut scratch,
+                    &mut out,
+                )
+                .unwrap();
             }
             let n = count_allocations(|| {
                 for t in &texts {
@@ -88,8 +95,18 @@ fn steady_state_encoding_allocates_nothing() {
                     assert_eq!(out.len(), 100);
                     tok.encode_into(t, false, None, &mut scratch, &mut out)
                         .unwrap();
-                    tok.encode_pair_into("a query", t, true, Some(64), &mut scratch, &mut out)
-                        .unwrap();
+                    tok.encode_pair_into(
+                        "a query",
+                        t,
+                        true,
+                        PairLimits {
+                            max_length: Some(64),
+                            max_second: None,
+                        },
+                        &mut scratch,
+                        &mut out,
+                    )
+                    .unwrap();
                 }
             });
             assert_eq!(n, 0, "{file}: {n} allocations at ~{bytes} bytes");
@@ -172,8 +189,15 @@ fn steady_state_survives_an_oversized_input() {
     for t in &texts {
         tok.encode_into(t, true, None, &mut scratch, &mut out)
             .unwrap();
-        tok.encode_pair_into("a query", t, true, None, &mut scratch, &mut out)
-            .unwrap();
+        tok.encode_pair_into(
+            "a query",
+            t,
+            true,
+            PairLimits::default(),
+            &mut scratch,
+            &mut out,
+        )
+        .unwrap();
     }
     let huge = format!("{} {}", "ab".repeat(1 << 20), "word ".repeat(1 << 18));
     tok.encode_into(&huge, true, None, &mut scratch, &mut out)
@@ -182,8 +206,15 @@ fn steady_state_survives_an_oversized_input() {
         for t in &texts {
             tok.encode_into(t, true, None, &mut scratch, &mut out)
                 .unwrap();
-            tok.encode_pair_into("a query", t, true, None, &mut scratch, &mut out)
-                .unwrap();
+            tok.encode_pair_into(
+                "a query",
+                t,
+                true,
+                PairLimits::default(),
+                &mut scratch,
+                &mut out,
+            )
+            .unwrap();
         }
     });
     assert_eq!(n, 0, "{n} allocations after an oversized input");

@@ -3,7 +3,7 @@
 
 mod common;
 
-use trellis_tokenizer::{Scratch, Tokenizer};
+use trellis_tokenizer::{PairLimits, Scratch, Tokenizer};
 
 /// Regression: one 8 MB word left the scratch ~270 MB larger for good (lattice cells,
 /// characters and backtrack path of the Viterbi pass, normalizer and pre-token buffers,
@@ -33,11 +33,25 @@ fn a_huge_word_does_not_stay_in_the_scratch() {
 
     // The pair path, with an oversized text second and first.
     let large = &huge[..2 << 20];
-    tok.encode_pair_into("a query", large, true, None, &mut scratch, &mut out)
-        .unwrap();
+    tok.encode_pair_into(
+        "a query",
+        large,
+        true,
+        PairLimits::default(),
+        &mut scratch,
+        &mut out,
+    )
+    .unwrap();
     assert!(scratch.buffer_bytes() <= Scratch::MAX_KEPT_BYTES);
-    tok.encode_pair_into(large, "a document", true, None, &mut scratch, &mut out)
-        .unwrap();
+    tok.encode_pair_into(
+        large,
+        "a document",
+        true,
+        PairLimits::default(),
+        &mut scratch,
+        &mut out,
+    )
+    .unwrap();
     assert!(scratch.buffer_bytes() <= Scratch::MAX_KEPT_BYTES);
 
     // Unchanged output afterwards.

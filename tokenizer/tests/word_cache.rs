@@ -5,7 +5,7 @@
 
 mod common;
 
-use trellis_tokenizer::{Scratch, Tokenizer};
+use trellis_tokenizer::{PairLimits, Scratch, Tokenizer};
 
 /// Texts with many repeats, words over the cache's 34-byte keys, words of more than seven
 /// pieces, literal special tokens and charsmap-mapped characters.
@@ -56,9 +56,29 @@ fn cache_sizes_agree_with_the_cache_off() {
                     }
                 }
                 let q = &texts[(i + 3) % texts.len()];
-                let a = tok.encode_pair_into(q, t, true, Some(200), &mut off, &mut want);
+                let a = tok.encode_pair_into(
+                    q,
+                    t,
+                    true,
+                    PairLimits {
+                        max_length: Some(200),
+                        max_second: None,
+                    },
+                    &mut off,
+                    &mut want,
+                );
                 for s in scratches.iter_mut() {
-                    let b = tok.encode_pair_into(q, t, true, Some(200), s, &mut got);
+                    let b = tok.encode_pair_into(
+                        q,
+                        t,
+                        true,
+                        PairLimits {
+                            max_length: Some(200),
+                            max_second: None,
+                        },
+                        s,
+                        &mut got,
+                    );
                     assert_eq!(a.is_ok(), b.is_ok());
                     assert_eq!(got, want, "{file}, round {round}, pair {i}");
                 }
