@@ -284,12 +284,14 @@ PairOrSingle = Annotated[list[NonEmptyStr], Field(min_length=1, max_length=2)]
 
 
 class TeiPredictRequest(_Strict):
-    """TEI's /predict request (TEI 1.7.1): a text, a pair of texts (a list of two), or a
-    batch of [text] / [text, text] lists, classified by a sequence-classification model."""
+    """TEI's /predict request (TEI 1.7.1): a text, a list of one text or two (a pair), or
+    a batch of [text] / [text, text] lists, classified by a sequence-classification model.
+    As TEI reads them: `["a"]` is the text "a" (answered as one, not as a batch) and
+    `["a", "b", "c"]` is refused."""
 
     inputs: (
         NonEmptyStr
-        | Annotated[list[NonEmptyStr], Field(min_length=2, max_length=2)]
+        | Annotated[list[NonEmptyStr], Field(min_length=1, max_length=2)]
         | (Annotated[list[PairOrSingle], Field(min_length=1)])
     )
     raw_scores: bool = Field(default=False, description="Logits instead of probabilities.")

@@ -410,8 +410,12 @@ def test_tei_predict_matches_transformers(
         assert len(got) == 4
         for row, item in zip(got, batch, strict=True):
             check(row, logits(*item), False)
+        # as TEI reads them: a list of one text is that text, three texts are refused
         one = client.post("/predict", json={"inputs": ["only one"]})
-        assert one.status_code == 400, one.text
+        check(one.json(), logits("only one"), False)
+        three = client.post("/predict", json={"inputs": ["a", "b", "c"]})
+        assert three.status_code == 400, three.text
+        assert three.json()["error"]["param"] == "inputs"
     # A one-label reranker classifies too: sigmoid of its logit, as CrossEncoder scores.
     with httpx.Client(base_url=clusters["bert"].base_url, timeout=60) as client:
         (got,) = client.post("/predict", json={"inputs": [QUERY, DOCS[0]]}).json()
