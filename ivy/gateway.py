@@ -390,9 +390,10 @@ class Gateway:
                     f"`{req.input_type}`.",
                     param="instruction",
                 )
-            prompt = _text_prompt(inputs, model.instructed_prompt(req.instruction), "instruction")
+            prompt = model.instructed_prompt(req.instruction)
         else:
-            prompt = _text_prompt(inputs, model.prompt_for(req.input_type), "input_type")
+            prompt = model.prompt_for(req.input_type)
+        inputs, prompt = _prompted(model, inputs, prompt, "input")
         if req.output == "sparse":
             return await self._sparse_embeddings(req, model, inputs, prompt, timings)
         vectors, tokens = await self.embed(
@@ -476,9 +477,8 @@ class Gateway:
         timings: Timings,
     ) -> tuple[EmbedOutputs, int]:
         inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
-        prompt = ""
-        if req.prompt_name is not None:
-            prompt = _text_prompt(inputs, model.prompt_named(req.prompt_name), "prompt_name")
+        prompt = model.prompt_named(req.prompt_name) if req.prompt_name is not None else ""
+        inputs, prompt = _prompted(model, inputs, prompt, "inputs")
         return await self.embed_outputs(
             model,
             inputs,
@@ -598,9 +598,8 @@ class Gateway:
         """TEI's /embed: one array of floats per input."""
         model = self.embedder(req.model)
         inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
-        prompt = ""
-        if req.prompt_name is not None:
-            prompt = _text_prompt(inputs, model.prompt_named(req.prompt_name), "prompt_name")
+        prompt = model.prompt_named(req.prompt_name) if req.prompt_name is not None else ""
+        inputs, prompt = _prompted(model, inputs, prompt, "inputs")
         vectors, _ = await self.embed(
             model,
             inputs,
@@ -965,19 +964,22 @@ _ENCODINGS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 _DOCUMENT_TYPES = ("search_document", "document", "passage")
 
 
-def _text_prompt(
-    inputs: Sequence[str] | Sequence[int] | Sequence[Sequence[int]], prompt: str, param: str
-) -> str:
-    """The `prompt` that `param` asks for, before text `inputs`. Token ids are embedded as
-    they are sent, so a prompt with them would be dropped unseen (the vector equals the
-    unprompted one): a 400 naming `param`."""
-    if prompt and not isinstance(inputs[0], str):
-        raise ValidationError(
-            f"`{param}` puts this model's prompt {prompt!r} before text input; with token "
-            "ids, put the prompt's tokens in the ids instead.",
-            param=param,
-        )
-    return prompt if isinstance(inputs[0], str) else ""
+def _prompted(
+    model: ServedModel,
+    inputs: Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+    prompt: str,
+    field: str,
+) -> tuple[Sequence[str] | Sequence[int] | Sequence[Sequence[int]], str]:
+    """`inputs` and the prompt to put before each. Token ids are embedded as sent, without
+    one; with a prompt they are read as TEI reads them: decoded (special tokens skipped),
+    the prompt put before the text, and encoded again. `field`: the request's field for
+    the inputs."""
+    if isinstance(inputs[0], str):
+        return inputs, prompt
+    if not prompt:
+        return inputs, ""
+    rows = [inputs] if isinstance(inputs[0], int) else inputs
+    return model.decode(rows, True, param=field), prompt  # type: ignore[arg-type]
 
 
 def _check_room(fixed: int, limit: int) -> None:

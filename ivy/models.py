@@ -256,14 +256,17 @@ class ServedModel:
                 out.append(TeiToken(i, text[start:stop], False, start, stop))
         return out
 
-    def decode(self, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
-        """Token ids back to text, one string per row (ids outside the vocabulary: 400)."""
+    def decode(
+        self, rows: list[list[int]], skip_special_tokens: bool, param: str = "ids"
+    ) -> list[str]:
+        """Token ids back to text, one string per row (ids outside the vocabulary: a 400
+        naming `param`, the request's field for them)."""
         vocab = self.reference_tokenizer.get_vocab_size(with_added_tokens=True)
         for row in rows:
             bad = next((i for i in row if i >= vocab), None)
             if bad is not None:
                 raise ValidationError(
-                    f"Token id {bad} is outside the vocabulary (size {vocab}).", param="ids"
+                    f"Token id {bad} is outside the vocabulary (size {vocab}).", param=param
                 )
         return self.reference_tokenizer.decode_batch(rows, skip_special_tokens=skip_special_tokens)
 

@@ -718,9 +718,6 @@ def test_an_instruction_takes_the_models_prompt_format(base: str, dirs: dict[str
     [
         ("mpnet", {}),
         ("qwen3-last", {"input_type": "document"}),
-        # token ids go as they are: an instruction would be dropped unseen
-        ("qwen3-last", {"input": [5, 6, 7]}),
-        ("qwen3-last", {"input": [[5, 6], [7]]}),
     ],
 )
 def test_instructions_refused_where_they_do_not_fit(base: str, name: str, extra: dict) -> None:
@@ -734,27 +731,37 @@ def test_instructions_refused_where_they_do_not_fit(base: str, name: str, extra:
 
 
 @pytest.mark.parametrize(
-    ("path", "body", "param"),
+    ("name", "path", "extra", "field", "flat"),
     [
-        ("/v1/embeddings", {"input": [5, 6, 7], "input_type": "query"}, "input_type"),
-        ("/v1/embeddings", {"input": [[5, 6], [7]], "input_type": "document"}, "input_type"),
-        ("/embed", {"inputs": [[5, 6], [7]], "prompt_name": "query"}, "prompt_name"),
-        ("/embed_all", {"inputs": [[5, 6]], "prompt_name": "document"}, "prompt_name"),
+        ("gemma3-embed", "/v1/embeddings", {"input_type": "query"}, "input", True),
+        ("gemma3-embed", "/v1/embeddings", {"input_type": "document"}, "input", False),
+        ("qwen3-last", "/v1/embeddings", {"instruction": "find it"}, "input", False),
+        ("gemma3-embed", "/embed", {"prompt_name": "query"}, "inputs", False),
     ],
 )
-def test_a_prompt_with_token_ids_is_refused_not_dropped(
-    base: str, path: str, body: dict, param: str
+def test_a_prompt_with_token_ids_applies_to_their_text(
+    base: str, dirs: dict[str, Path], name: str, path: str, extra: dict, field: str, flat: bool
 ) -> None:
-    """Token ids are embedded as sent: a prompt asked for with them (EmbeddingGemma's
-    query and document prompts) was dropped unseen, the vector the unprompted one; now a
-    400 naming the field. Without it the ids are embedded."""
-    body = {"model": "gemma3-embed", **body}
-    r = httpx.post(f"{base}{path}", json=body, timeout=60)
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param
-    bare = {k: v for k, v in body.items() if k != param}
-    ok = httpx.post(f"{base}{path}", json=bare, timeout=60)
-    assert ok.status_code == 200, ok.text
+    """A prompt asked for with token ids (input_type, instruction, TEI's prompt_name) was
+    dropped unseen, the vector the unprompted one. Now the ids are read as TEI reads them:
+    decoded without special tokens, the prompt put before the text: the vectors equal
+    those of the same request in text (ids with their special tokens or without)."""
+    tok = Tokenizer.from_file(str(dirs[name] / "tokenizer.json"))
+    texts = ["w5 w6 w7", "w8"][: 1 if flat else 2]
+    ids = [tok.encode(t, add_special_tokens=i == 0).ids for i, t in enumerate(texts)]
+    assert tok.decode_batch(ids, skip_special_tokens=True) == texts
+    body = {"model": name, field: ids[0] if flat else ids}
+
+    def vectors(payload: dict) -> np.ndarray:
+        r = httpx.post(f"{base}{path}", json=payload, timeout=60)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        rows = [d["embedding"] for d in data["data"]] if isinstance(data, dict) else data
+        return np.array(rows, dtype=np.float64)
+
+    got = vectors({**body, **extra})
+    np.testing.assert_allclose(got, vectors({**body, **extra, field: texts}), atol=1e-6)
+    assert np.abs(got - vectors(body)).max() > 1e-3  # the prompt changed them
 
 
 @pytest.mark.parametrize("instruction", [None, "Find passages about gardening"])
