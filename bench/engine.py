@@ -469,7 +469,7 @@ def _precision_lines(p: Precision) -> tuple[list[str], bool]:
         f"{p.rounds} interleaved rounds, median; tokens/s.",
         "ROSE modes attend through the CPU default (`rose.attention.select_backend`): ONNX "
         "Runtime's kernel in fp32 (`rose.attention.onnxrt`), or PyTorch's in bf16 for bf16 "
-        "and for int8 with bf16 float layers where that is decisively faster (AMX); 'ROSE fp32, SDPA attention' asks for "
+        "and for int8 with bf16 float layers on CPUs with AMX, where it is faster; 'ROSE fp32, SDPA attention' asks for "
         "PyTorch's CPU flash kernel (the engine's attention before it). Here: "
         + "; ".join(f"{name}: {how}" for name, how in p.attention.items())
         + ". "

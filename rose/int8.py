@@ -43,9 +43,9 @@ quantization). (SmoothQuant strengths 0.4-0.9 on the up projection alone did not
 float layers run in bf16 on oneDNN-packed weights, the up projection with its activation
 fused, where this CPU's packed bf16 products are faster than its fp32 ones
 (`rose.packed.bf16_speedup`, measured once at the first load), else packed fp32. Norms and
-residuals stay float32, and so does attention unless the float layers are bf16 and PyTorch's
-CPU kernel in bf16, casts included, is decisively faster than ONNX Runtime's fp32 one
-(`rose.attention.select_backend`, timed at load: AMX). Forced on a Zen 4 (where it is not
+residuals stay float32, and so does attention unless the float layers are bf16 and the CPU
+has AMX, where PyTorch's CPU kernel in bf16, casts included, is faster than ONNX Runtime's
+fp32 one (`rose.attention.reduced_attention_pays`). Forced on a Zen 4 (where it is not
 faster), bf16 attention left accuracy where fp32 attention has it: min cosine 0.99982 against
 0.99983, top-10 overlap 0.966 against 0.957 (bench/engine.py's retrieval task).
 

@@ -121,64 +121,64 @@ def test_the_cpu_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_reduced_precision_engine_takes_sdpa_only_when_decisively_faster(
+def test_a_reduced_precision_engine_takes_sdpa_by_the_cpus_features_not_a_timing(
     monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
-    """bf16 / fp16 engines: ONNX Runtime's fp32 kernel against SDPA in the engine's dtype,
-    timed on those operands; SDPA only below `REDUCED_SDPA_BELOW` (AMX CPUs: ~0.5)."""
+    """bf16 / fp16 engines attend through PyTorch's kernel in their dtype on CPUs with AMX
+    for it, else through ONNX Runtime's fp32 one, whatever a timing says: the choice was
+    once timed at each load and two loads on one CPU could choose differently."""
     import rose.attention as attention
-
-    timed: list[torch.dtype] = []
-
-    def speedup(backend, heads, head_dim, dt=torch.float32, against=None, *, x: float) -> float:
-        timed.append(dt)
-        assert against is not None and against.compute_dtype is None  # SDPA in its operands'
-        return x
 
     args = (CPU, dtype, HEADS, HEAD_DIM)
     name = str(dtype).removeprefix("torch.")
-    for x, want in ((0.47, "sdpa"), (0.8, "onnxruntime"), (1.9, "onnxruntime")):
-        monkeypatch.setattr(attention, "kernel_speedup", functools.partial(speedup, x=x))
-        choice = select_backend(None, "auto", *args)
-        assert choice.backend.name == want, (x, choice.reason)
-        if want == "sdpa":
-            assert not choice.backend.causal
-            assert choice.reason == (
-                f"CPU, {name}: PyTorch's kernel in {name}, {1 / x:.2f}x ONNX Runtime's fp32 one"
-            )
-    assert timed == [dtype] * 3
+    for amx in (True, False):
+        monkeypatch.setattr(attention, "reduced_attention_pays", lambda dt, x=amx: x)
+        for x in (0.47, 1.9):  # reported in the log line, never decides
+            monkeypatch.setattr(attention, "kernel_speedup", lambda *_, x=x: x)
+            choice = select_backend(None, "auto", *args)
+            assert choice.backend.name == ("sdpa" if amx else "onnxruntime"), choice.reason
+            if amx:
+                assert not choice.backend.causal and choice.backend.compute_dtype is None
+                assert choice.reason == f"CPU, {name} with AMX: PyTorch's kernel in {name}"
+            else:
+                assert choice.reason == f"CPU, ONNX Runtime MultiHeadAttention, {x:.2f}x SDPA"
     monkeypatch.undo()
-    measured = attention.kernel_speedup(_backend(), HEADS, HEAD_DIM, dtype)
-    assert 0.0 < measured < float("inf")
+    amx = {
+        torch.bfloat16: torch.cpu._is_amx_tile_supported,
+        torch.float16: torch.cpu._is_amx_fp16_supported,
+    }
+    assert attention.reduced_attention_pays(dtype) == amx[dtype]()
+    assert not attention.reduced_attention_pays(torch.float32)
 
 
-def test_an_int8_engine_attends_in_its_float_layers_dtype_only_when_decisively_faster(
+def test_an_int8_engine_attends_in_its_float_layers_dtype_on_amx_cpus(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """An fp32 engine given `attend_dtype` (int8's float layers in bf16): ONNX Runtime's kernel
-    against SDPA computing in bf16 on the engine's fp32 operands, casts included; the SDPA
-    backend it then takes returns fp32 rows as close to fp32 attention as bf16 allows."""
+    """An fp32 engine given `attend_dtype` (int8's float layers in bf16) attends through
+    SDPA computing in bf16 on its fp32 operands where the CPU has AMX, else through ONNX
+    Runtime's fp32 kernel; the SDPA backend returns fp32 rows as close to fp32 attention as
+    bf16 allows."""
     import rose.attention as attention
 
-    timed: list[tuple[torch.dtype, torch.dtype | None]] = []
+    asked: list[torch.dtype] = []
 
-    def speedup(backend, heads, head_dim, dt=torch.float32, against=None, *, x: float) -> float:
-        timed.append((dt, None if against is None else against.compute_dtype))
+    def pays(dt: torch.dtype, *, x: bool) -> bool:
+        asked.append(dt)
         return x
 
     args = (CPU, torch.float32, HEADS, HEAD_DIM)
-    for x, want in ((0.47, "sdpa"), (0.8, "onnxruntime")):
-        monkeypatch.setattr(attention, "kernel_speedup", functools.partial(speedup, x=x))
+    for x, want in ((True, "sdpa"), (False, "onnxruntime")):
+        monkeypatch.setattr(attention, "reduced_attention_pays", functools.partial(pays, x=x))
         choice = select_backend(None, "auto", *args, attend_dtype=torch.bfloat16)
         assert choice.backend.name == want, (x, choice.reason)
-    assert timed == [(torch.float32, torch.bfloat16)] * 2
-    monkeypatch.setattr(attention, "kernel_speedup", functools.partial(speedup, x=0.47))
+    assert asked == [torch.bfloat16] * 2
+    monkeypatch.setattr(attention, "reduced_attention_pays", functools.partial(pays, x=True))
     chosen = select_backend(None, "auto", *args, attend_dtype=torch.bfloat16).backend
     assert chosen.describe() == "sdpa (auto, in bfloat16)"
-    for fp32 in (None, torch.float32):  # without a reduced dtype: timed for the log only
+    for fp32 in (None, torch.float32):  # without a reduced dtype: fp32, not asked
         plain = select_backend(None, "auto", *args, attend_dtype=fp32)
         assert plain.backend.name == "onnxruntime"
-    assert timed[3:] == [(torch.float32, None)] * 2
+    assert asked == [torch.bfloat16] * 3
     lengths = [40, 3, 2, 60]  # per-sequence and block-diagonal plans both cast
     q, k, v = torch.randn(sum(lengths), 3, HEADS, HEAD_DIM).unbind(1)
     cu = np.concatenate([[0], np.cumsum(lengths)])

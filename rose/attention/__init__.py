@@ -30,12 +30,12 @@ __all__ = [
     "AttentionChoice",
     "AttentionInputs",
     "FlashInferBackend",
-    "REDUCED_SDPA_BELOW",
     "OnnxRuntimeBackend",
     "SdpaBackend",
     "choose_sdpa_strategy",
     "flashinfer_coverage",
     "head_dim_unsupported",
+    "reduced_attention_pays",
     "select_backend",
 ]
 
@@ -48,12 +48,20 @@ class AttentionChoice:
     reason: str
 
 
-# A bf16 / fp16 CPU engine attends through PyTorch's kernel in its own dtype when ONNX
-# Runtime's fp32 kernel runs under this fraction of its speed: on CPUs with AMX, SDPA in bf16
-# is ~2x the fp32 kernels (0.47 here: 2.1 against 4.5 ms for a 512-token row, 12 heads x
-# 32); where bf16 is no faster than fp32 (AMD Zen, AVX-512 bf16 only) the fp32 kernel stays,
-# and the margin keeps CPUs near parity from flipping between loads.
-REDUCED_SDPA_BELOW = 0.75
+def reduced_attention_pays(dtype: torch.dtype) -> bool:
+    """Whether PyTorch's CPU attention kernel in `dtype` (bf16 / fp16) beats ONNX Runtime's
+    fp32 one on this CPU: only where the CPU has AMX tiles for it (Sapphire Rapids and later
+    for bf16, ~2x: 2.1 against 4.5 ms for a 512-token row, 12 heads x 32; AMX-FP16 for fp16).
+    Elsewhere (AMD Zen 4/5, Xeons without AMX) it is no faster on real passes (732 vs 765 ms
+    for 8 x 512 tokens on Zen 4, bench/results/engine.md). A CPU feature, not a timing:
+    the choice was once timed at each load, and a 256-token probe on Zen 4 measured 0.65-0.81
+    of ONNX Runtime's time around a 0.75 bar, so two replicas of one model could attend with
+    different kernels and answer the same text with vectors 1e-4 apart."""
+    if dtype == torch.bfloat16:
+        return bool(torch.cpu._is_amx_tile_supported())
+    if dtype == torch.float16:
+        return bool(torch.cpu._is_amx_fp16_supported())
+    return False
 
 
 def select_backend(
@@ -73,9 +81,10 @@ def select_backend(
     (`OnnxRuntimeBackend`, about twice PyTorch's CPU flash kernel on AMD Zen 5) when
     `requested` is None or "onnxruntime", provided it imports and passes the probe (the
     log line reports its speed against SDPA on this CPU, `kernel_speedup`), except bf16 /
-    fp16 engines on CPUs whose SDPA in that dtype is decisively faster (`REDUCED_SDPA_BELOW`:
-    AMX), and fp32 engines given an `attend_dtype` (int8 ones: their float layers' dtype) on
-    CPUs whose SDPA in it, casts included, is; causal ones go to SDPA.
+    fp16 engines, and fp32 engines given an `attend_dtype` (int8 ones: their float layers'
+    dtype), on CPUs where PyTorch's kernel in that dtype is faster (`reduced_attention_pays`:
+    AMX, a CPU feature, so every load and every replica on a CPU chooses alike); causal
+    ones go to SDPA.
     FlashInfer is tried on CUDA in fp16/bf16 for the head dims its kernels take
     (`FLASHINFER_HEAD_DIMS`, checked before anything is imported or compiled) when
     `requested` is None or "flashinfer"; it must import and pass a small probe against SDPA,
@@ -142,9 +151,9 @@ def _cpu(
     attend_dtype: torch.dtype | None,
 ) -> AttentionChoice:
     """ONNX Runtime's kernel for a bidirectional CPU engine when it imports and agrees with
-    SDPA; when it was not asked for by name (`timed`), its speed against SDPA is measured,
-    for the log line in fp32 and to decide against SDPA in a reduced dtype (the engine's,
-    or `attend_dtype`)."""
+    SDPA; when it was not asked for by name (`timed`), PyTorch's kernel in a reduced dtype
+    (the engine's, or `attend_dtype`) where that pays (`reduced_attention_pays`), else
+    ONNX Runtime's with its speed against SDPA measured for the log line."""
     if causal:
         return AttentionChoice(sdpa, "CPU, causal: PyTorch's causal kernel skips masked blocks")
     module, why = import_onnxruntime()
@@ -161,21 +170,14 @@ def _cpu(
     if not timed:
         return AttentionChoice(backend, "requested")
     reduced = dtype if dtype != torch.float32 else attend_dtype
-    if reduced not in (None, torch.float32):
-        # an fp32 engine's SDPA casts its operands: the timing includes the casts
+    if reduced not in (None, torch.float32) and reduced_attention_pays(reduced):
+        name = str(reduced).removeprefix("torch.")
+        # an fp32 engine's SDPA casts its operands
         against = sdpa if reduced == dtype else SdpaBackend(sdpa.strategy, compute_dtype=reduced)
-        speedup = kernel_speedup(backend, num_heads, head_dim, dtype, against)
-        if speedup < REDUCED_SDPA_BELOW:
-            name = str(reduced).removeprefix("torch.")
-            return AttentionChoice(
-                against,
-                f"CPU, {name}: PyTorch's kernel in {name}, {1 / speedup:.2f}x ONNX Runtime's "
-                "fp32 one",
-            )
-    else:
-        # An fp32 choice does not depend on the timing (a model's backend must not flip
-        # between loads); the log line reports it, so a CPU where the kernel loses shows it.
-        speedup = kernel_speedup(backend, num_heads, head_dim)
+        return AttentionChoice(against, f"CPU, {name} with AMX: PyTorch's kernel in {name}")
+    # The timing is reported, never decides (a model's backend must not flip between loads
+    # or replicas), so a CPU where the kernel loses shows it in the log line.
+    speedup = kernel_speedup(backend, num_heads, head_dim)
     return AttentionChoice(backend, f"CPU, ONNX Runtime MultiHeadAttention, {speedup:.2f}x SDPA")
 
 

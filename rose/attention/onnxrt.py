@@ -155,27 +155,18 @@ class OnnxRuntimeBackend(AttentionBackend):
         return f"onnxruntime MultiHeadAttention, {self._fallback.describe()} for tiny rows"
 
 
-def kernel_speedup(
-    backend: OnnxRuntimeBackend,
-    num_heads: int,
-    head_dim: int,
-    dtype: torch.dtype = torch.float32,
-    against: SdpaBackend | None = None,
-) -> float:
-    """How many times faster `backend` attends one row of `_PROBE_TOKENS` tokens than
-    `against` (default: its SDPA fallback) on this CPU, at the current thread count, operands
-    in `dtype` (this kernel widens them to fp32, SDPA computes in them or in its
-    `compute_dtype`): the fastest of `_PROBE_REPEATS` interleaved calls of each (~10 ms in
-    all for e5-small's heads). For fp32 against the fallback it is reported in the backend's
-    log line (the kernels were measured on AMD CPUs only, module docstring, so a CPU where
-    this one loses shows it there); against SDPA in bf16 / fp16 it decides
-    (`rose.attention.REDUCED_SDPA_BELOW`)."""
+def kernel_speedup(backend: OnnxRuntimeBackend, num_heads: int, head_dim: int) -> float:
+    """How many times faster `backend` attends one fp32 row of `_PROBE_TOKENS` tokens than
+    its SDPA fallback on this CPU, at the current thread count: the fastest of
+    `_PROBE_REPEATS` interleaved calls of each (~10 ms in all for e5-small's heads).
+    Reported in the backend's log line, never deciding (the kernels were measured on AMD
+    CPUs only, module docstring, so a CPU where this one loses shows it there)."""
     cu = np.array([0, _PROBE_TOKENS], dtype=np.int64)
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(_PROBE_TOKENS, 3, num_heads, head_dim, generator=gen).to(dtype)
+    qkv = torch.randn(_PROBE_TOKENS, 3, num_heads, head_dim, generator=gen)
     q, k, v = qkv.unbind(1)
     inputs = AttentionInputs(torch.from_numpy(cu), torch.zeros(_PROBE_TOKENS, dtype=torch.long))
-    contenders = (backend, backend._fallback if against is None else against)
+    contenders = (backend, backend._fallback)
     states = [b.prepare(b.plan(cu), inputs) for b in contenders]
     best = [float("inf")] * 2
     with torch.inference_mode():

@@ -101,7 +101,7 @@ class SdpaBackend(AttentionBackend):
     per-sequence for batches over `block_diagonal_max_tokens`, except inside a CUDA graph);
     `causal` keeps each token to the tokens at or before it in its row; `compute_dtype`, when
     given, is the dtype the kernel computes in whatever its operands' (they are cast to it and
-    the output back: an fp32 engine attending in bf16 where that kernel is decisively faster,
+    the output back: an fp32 engine attending in bf16 where that kernel is faster, AMX CPUs,
     `rose.attention.select_backend`)."""
 
     name = "sdpa"
