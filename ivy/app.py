@@ -105,6 +105,12 @@ _REQUEST_FORMS = {
         "Invalid 'input': expected a non-empty array of documents, each a non-empty array of "
         "non-empty strings (its chunks, in order)."
     ),
+    (TokenizeRequest, "input"): (
+        "Invalid 'input': expected a non-empty string or an array of non-empty strings."
+    ),
+    (TokenizeRequest, "inputs"): (
+        "Invalid 'inputs': expected a non-empty string or an array of non-empty strings."
+    ),
 }
 _FORMS = {
     "input": (

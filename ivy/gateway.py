@@ -672,13 +672,26 @@ class Gateway:
         self.check_count(len(items), "inputs")
         cut = self.auto_truncate if req.truncate is None else req.truncate
         limit = model.spec.max_input_tokens
+        template = model.pair_template
+        if template is not None and any(len(item) != 2 for item in items):
+            raise ValidationError(
+                f"The model `{name}` scores (query, document) pairs through its chat "
+                "template: send each input as a pair of texts.",
+                param="inputs",
+            )
         t0 = time.perf_counter()
         deadline, claim = self._admit(name, [t for item in items for t in item])
         with claim:
             with tracing.span("tokenize", inputs=len(items)):
                 parts = []
                 for item in items:  # a single text is its own first segment
-                    if len(item) == 1:
+                    if template is not None:  # as /rerank reads the pair
+                        suffix = _template_suffix(model, template, item[0], None)
+                        ids, lengths = _template_pairs(
+                            model, template, item[0], None, item[1:], None, cut, suffix
+                        )
+                        parts.append((ids, lengths, lengths))
+                    elif len(item) == 1:
                         ids, lengths = model.tokenizer.encode_batch_packed(
                             item, True, limit if cut else None
                         )
@@ -774,8 +787,8 @@ class Gateway:
         left = req.truncation_direction.lower() == "left"
         self.check_count(len(docs), param, "documents")
         spec = model.spec
-        # Everything about the request is checked before it is admitted: a query with no
-        # room for a document in a model's prompt is a 400 however busy the replicas are.
+        # Everything about the request is checked before it is admitted: an embedder's
+        # over-long query is a 400 however busy the replicas are.
         if spec.kind == CROSS_ENCODER:
             if left:
                 raise ValidationError(
@@ -788,8 +801,7 @@ class Gateway:
                 # sentence-transformers' `prompt` goes before the query.
                 query = (req.instruction or "") + req.query
             else:
-                fixed = int(_render_pair(model, template, req, "").size)
-                _check_room(fixed, spec.max_input_tokens)
+                suffix = _template_suffix(model, template, req.query, req.instruction)
         else:
             q_prompt = (
                 model.instructed_prompt(req.instruction) if req.instruction else spec.query_prompt
@@ -803,7 +815,15 @@ class Gateway:
                 if template is not None:
                     with tracing.span("tokenize", inputs=len(docs)):
                         ids, lengths = await asyncio.to_thread(
-                            _template_pairs, model, template, req, docs, per_doc, cut, fixed
+                            _template_pairs,
+                            model,
+                            template,
+                            req.query,
+                            req.instruction,
+                            docs,
+                            per_doc,
+                            cut,
+                            suffix,
                         )
                     first = lengths.astype(np.uint32)  # one segment: the rendered prompt
                 else:
@@ -919,13 +939,13 @@ class Gateway:
         def run() -> list[tuple[list[int], list[tuple[int, int]]]]:
             return [model.tokenizer.encode_with_offsets(t, req.add_special_tokens) for t in texts]
 
-        chars = sum(len(t) for t in texts)
-        encoded = await asyncio.to_thread(run) if chars > _INLINE_CHARS else run()
+        def run_tei() -> list[list[TeiToken]]:
+            return [model.tei_tokens(t, req.add_special_tokens) for t in texts]
+
+        inline = sum(len(t) for t in texts) <= _INLINE_CHARS
         if tei:
-            return [
-                model.tei_tokens(t, ids, offsets)
-                for t, (ids, offsets) in zip(texts, encoded, strict=True)
-            ]
+            return run_tei() if inline else await asyncio.to_thread(run_tei)
+        encoded = run() if inline else await asyncio.to_thread(run)
         total = sum(len(ids) for ids, _ in encoded)
         data = [TokenizedInput(i, ids, offsets) for i, (ids, offsets) in enumerate(encoded)]
         return TokenizeResponse(model.name, data, Usage(total, total))
@@ -982,62 +1002,60 @@ def _prompted(
     return model.decode(rows, True, param=field), prompt  # type: ignore[arg-type]
 
 
-def _check_room(fixed: int, limit: int) -> None:
-    """Refuse a query that leaves no room for a document in the model's prompt, which
-    keeps the query whole."""
-    if fixed >= limit:
-        raise ValidationError(
-            f"The query takes {fixed} tokens in the model's prompt, which leaves no room for a "
-            f"document within this model's limit of {limit} tokens.",
-            param="query",
-            code="context_length_exceeded",
-        )
-
-
 def _render_pair(
-    model: ServedModel, template: PairTemplate, req: RerankRequest, doc: str
+    model: ServedModel, template: PairTemplate, query: str, doc: str, instruction: str | None
 ) -> np.ndarray:
     """Ids of the (query, `doc`) prompt rendered by the model's chat template, tokenized as
     one prompt (special-token text in the query, document or instruction stays text)."""
     tok = model.tokenizer
-    messages = template.messages(req.query, doc, req.instruction)
+    messages = template.messages(query, doc, instruction)
     rendered = template.template.render_prompt(
         messages, tok.special_tokens, add_generation_prompt=template.add_generation_prompt
     )
     return tok.encode_prompt(rendered.text, rendered.literals)
 
 
+def _template_suffix(
+    model: ServedModel, template: PairTemplate, query: str, instruction: str | None
+) -> np.ndarray:
+    """The ids the model's prompt ends with after the document (the template's tail, e.g.
+    the assistant turn the score is read at): the longest run of ids two renders with
+    different documents end alike, short of the whole of either."""
+    a = _render_pair(model, template, query, "0", instruction)
+    b = _render_pair(model, template, query, "1 2 3 4", instruction)
+    n = 0
+    while n < min(a.size, b.size) and a[a.size - 1 - n] == b[b.size - 1 - n]:
+        n += 1
+    return a[a.size - n :] if n < min(a.size, b.size) else a[:0]
+
+
 def _template_pairs(
     model: ServedModel,
     template: PairTemplate,
-    req: RerankRequest,
+    query: str,
+    instruction: str | None,
     docs: Sequence[str],
     per_doc: int | None,
     cut: bool,
-    fixed: int,
+    suffix: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Packed ids and lengths of (query, document) pairs rendered by the model's chat
-    template (`PairTemplate`, `_render_pair`); `fixed`: the tokens of the prompt with an
-    empty document. A pair over the limit, when cutting, keeps the longest start of its
-    document that fits (the template's own text stays whole)."""
+    template (`PairTemplate`, `_render_pair`), each document first cut to `per_doc` of its
+    own tokens. A prompt over the model's limit, when cutting, is cut as
+    sentence-transformers' CrossEncoder cuts it: to the limit, with the template's tail
+    (`suffix`, `_template_suffix`) written back over its last ids, so the model still reads
+    its score where it expects to."""
     tok = model.tokenizer
-
-    def encode(doc: str) -> np.ndarray:
-        return _render_pair(model, template, req, doc)
-
     limit = model.spec.max_input_tokens
-    max_len = limit if per_doc is None else min(limit, fixed + per_doc)
     rows: list[np.ndarray] = []
     for doc in docs:
-        ids = encode(doc)
-        if cut and ids.size > max_len:
+        if per_doc is not None:
             _, offsets = tok.encode_with_offsets(doc, add_special_tokens=False)
-            keep = min(len(offsets), max_len - fixed)
-            while ids.size > max_len and keep > 0:
-                ids = encode(doc[: offsets[keep - 1][1]])
-                keep -= max(1, int(ids.size) - max_len)
-            if ids.size > max_len:
-                ids = encode("")
+            if len(offsets) > per_doc:
+                doc = doc[: offsets[per_doc - 1][1]]
+        ids = _render_pair(model, template, query, doc, instruction)
+        if cut and ids.size > limit:
+            ids = np.concatenate((ids[: max(limit - suffix.size, 0)], suffix[-limit:]))
         rows.append(ids)
     lengths = np.fromiter((r.size for r in rows), dtype=np.uint32, count=len(rows))
     return np.concatenate(rows).astype(np.uint32, copy=False), lengths

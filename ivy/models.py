@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import tokenizers
 
 from ivy.chat_template import ChatTemplate
@@ -237,23 +238,22 @@ class ServedModel:
         tokenizer does not do (decoding ids back to text); loaded on first use."""
         return tokenizers.Tokenizer.from_file(str(self.directory / "tokenizer.json"))
 
-    @functools.cached_property
-    def special_ids(self) -> frozenset[int]:
-        """Ids of the tokenizer's special tokens (added tokens marked special)."""
-        added = self.reference_tokenizer.get_added_tokens_decoder()
-        return frozenset(i for i, token in added.items() if token.special)
-
-    def tei_tokens(
-        self, text: str, ids: list[int], offsets: list[tuple[int, int]]
-    ) -> list[TeiToken]:
-        """TEI's view of an encoding: a special token the template added (it covers no
-        text) shows its own string; the others the characters they cover."""
+    def tei_tokens(self, text: str, add_special_tokens: bool) -> list[TeiToken]:
+        """TEI's view of `text`'s encoding (its `into_tokens`): a token under the encoding's
+        special-tokens mask (the template's, and special added tokens) shows its own string
+        and no span; the others the text they cover, as UTF-8 byte offsets (TEI's
+        tokenizer reports bytes, Python's `tokenizers` characters)."""
+        enc = self.reference_tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        widths = np.fromiter((len(c.encode()) for c in text), dtype=np.int64, count=len(text))
+        at = np.concatenate(([0], np.cumsum(widths))).tolist()  # character -> byte offset
         out = []
-        for i, (start, stop) in zip(ids, offsets, strict=True):
-            if start == stop and i in self.special_ids:
-                out.append(TeiToken(i, self.reference_tokenizer.id_to_token(i), True, None, None))
+        for i, token, special, (start, stop) in zip(
+            enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True
+        ):
+            if special:
+                out.append(TeiToken(i, token, True, None, None))
             else:
-                out.append(TeiToken(i, text[start:stop], False, start, stop))
+                out.append(TeiToken(i, text[start:stop], False, at[start], at[stop]))
         return out
 
     def decode(

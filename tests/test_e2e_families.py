@@ -784,14 +784,76 @@ def test_qwen3_reranker_equals_sentence_transformers(
     assert np.ptp(want) > 1e-3
 
 
-def test_qwen3_reranker_cuts_documents_to_max_tokens_per_doc(base: str) -> None:
+def test_qwen3_reranker_cuts_as_sentence_transformers_does(
+    base: str, dirs: dict[str, Path]
+) -> None:
+    """Over-long prompts (256 tokens here), even with a query over the limit by itself, are
+    cut as CrossEncoder cuts them: to the limit, the template's tail written back over the
+    last ids (a prompt was once cut one id short, and a long query refused); Cohere's
+    max_tokens_per_doc first cuts each document to that many of its own tokens (a document
+    of one token more was once left whole); TEI's /rerank and /predict read pairs through
+    the chat template too (/predict once scored the bare pair)."""
+    from sentence_transformers import CrossEncoder
+
+    reference = CrossEncoder(str(dirs["qwen3-rr"]), device="cpu")
+    tok = Tokenizer.from_file(str(dirs["qwen3-rr"] / "tokenizer.json"))
     long_doc = " ".join(PASSAGES * 8)
-    body = {"model": "qwen3-rr", "query": QUESTION, "documents": [long_doc, PASSAGES[0]]}
-    whole = httpx.post(f"{base}/v1/rerank", json=body, timeout=60).json()
-    cut = httpx.post(
-        f"{base}/v1/rerank", json={**body, "max_tokens_per_doc": 12}, timeout=60
-    ).json()
-    assert cut["usage"]["prompt_tokens"] < whole["usage"]["prompt_tokens"]
-    # The short document fits either way: its score does not move.
-    short = {x["index"]: x["relevance_score"] for x in whole["results"]}[1]
-    assert {x["index"]: x["relevance_score"] for x in cut["results"]}[1] == pytest.approx(short)
+    docs = [long_doc, " ".join(PASSAGES * 5), PASSAGES[1], "Paris is"]
+    long_query = " ".join([QUESTION] * 40)
+    assert len(tok.encode(long_doc).ids) > 256 and len(tok.encode(long_query).ids) > 256
+
+    def scores(path: str, body: dict) -> np.ndarray:
+        r = httpx.post(f"{base}{path}", json={"model": "qwen3-rr", **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        rows = r.json()["results"] if path == "/v1/rerank" else r.json()
+        if path == "/predict":
+            return np.array([row[0]["score"] for row in rows])
+        key = "relevance_score" if path == "/v1/rerank" else "score"
+        return np.array([x[key] for x in sorted(rows, key=lambda x: x["index"])])
+
+    for query in (QUESTION, long_query):
+        want = reference.predict([(query, d) for d in docs])
+        np.testing.assert_allclose(
+            scores("/v1/rerank", {"query": query, "documents": docs}), want, atol=1e-4
+        )
+        tei = {"query": query, "texts": docs, "truncate": True}
+        np.testing.assert_allclose(scores("/rerank", tei), want, atol=1e-4)
+        pairs = {"inputs": [[query, d] for d in docs], "truncate": True}
+        np.testing.assert_allclose(scores("/predict", pairs), want, atol=1e-4)
+    for k in (1, 2, 12):  # "Paris is": two tokens
+        cut = []
+        for d in docs:
+            offsets = tok.encode(d, add_special_tokens=False).offsets
+            cut.append(d[: offsets[k - 1][1]] if len(offsets) > k else d)
+        body = {"query": QUESTION, "documents": docs, "max_tokens_per_doc": k}
+        want = reference.predict([(QUESTION, d) for d in cut])
+        np.testing.assert_allclose(scores("/v1/rerank", body), want, atol=1e-4)
+    one = httpx.post(f"{base}/predict", json={"model": "qwen3-rr", "inputs": QUESTION}, timeout=60)
+    assert one.status_code == 400 and one.json()["error"]["param"] == "inputs", one.text
+
+
+@pytest.mark.parametrize("name", ["mpnet", "distilbert-rr"])
+def test_tei_tokenize_marks_the_templates_tokens_special(
+    base: str, dirs: dict[str, Path], name: str
+) -> None:
+    """TEI's /tokenize takes `special` from the encoding's special-tokens mask: the [CLS] /
+    [SEP] the template adds are special even where the tokenizer's added tokens do not say
+    so (they were once answered as empty ordinary tokens); /tokenize names only the forms it
+    takes when sent token ids."""
+    r = httpx.post(f"{base}/tokenize", json={"model": name, "inputs": "w4 w5"}, timeout=60)
+    assert r.status_code == 200, r.text
+    enc = Tokenizer.from_file(str(dirs[name] / "tokenizer.json")).encode("w4 w5")
+    assert sum(enc.special_tokens_mask) == 2
+    want = [
+        {"id": i, "text": t, "special": True, "start": None, "stop": None}
+        if m
+        else {"id": i, "text": "w4 w5"[a:b], "special": False, "start": a, "stop": b}
+        for i, t, m, (a, b) in zip(
+            enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True
+        )
+    ]
+    assert r.json() == [want]
+    bad = httpx.post(f"{base}/tokenize", json={"model": name, "input": [4, 5]}, timeout=60)
+    assert bad.status_code == 400
+    error = bad.json()["error"]
+    assert error["param"] == "input" and "token ids" not in error["message"], error

@@ -378,21 +378,30 @@ def test_tei_embed_and_info(base: str, name: str, oracle, model_dir: Path) -> No
         bad = client.post("/decode", json={"ids": [1, 10**7]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "ids"
         # /tokenize in TEI's shape: what `tokenizers` encodes, shown by TEI's rules
-        # (special tokens: their string, no offsets; others: the characters they cover).
+        # (special tokens: their string, no offsets; others: the text they cover, with
+        # offsets in UTF-8 bytes, as TEI's Rust tokenizer counts them).
         reference = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         got = client.post("/tokenize", json={"inputs": TEXTS[2:4]}).json()
         assert len(got) == 2
         for text, tokens in zip(TEXTS[2:4], got, strict=True):
             enc = reference.encode(text)
-            want = [
-                {"id": i, "text": tok, "special": True, "start": None, "stop": None}
-                if special
-                else {"id": i, "text": text[a:b], "special": False, "start": a, "stop": b}
-                for i, tok, special, (a, b) in zip(
-                    enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True
+            raw = text.encode()
+            want = []
+            for i, tok, special, (a, b) in zip(
+                enc.ids, enc.tokens, enc.special_tokens_mask, enc.offsets, strict=True
+            ):
+                if special:
+                    want.append(
+                        {"id": i, "text": tok, "special": True, "start": None, "stop": None}
+                    )
+                    continue
+                start, stop = len(text[:a].encode()), len(text[:b].encode())
+                assert raw[start:stop].decode() == text[a:b]
+                want.append(
+                    {"id": i, "text": text[a:b], "special": False, "start": start, "stop": stop}
                 )
-            ]
             assert tokens == want
+        assert any(t["stop"] - t["start"] > len(t["text"]) for t in got[1] if not t["special"])
         plain = client.post(
             "/tokenize", json={"inputs": TEXTS[0], "add_special_tokens": False}
         ).json()
