@@ -277,6 +277,7 @@ class ServedModel:
         if name in ("document", "passage", "search_document"):
             return self.spec.document_prompt
         raise ValidationError(
-            f"Unknown prompt_name {name!r}: this model has `query` and `document` prompts.",
+            f"Unknown prompt_name {name!r}: send `query` or `document` (the model's "
+            "sentence-transformers prompts of those names, empty where it has none).",
             param="prompt_name",
         )
