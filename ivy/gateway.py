@@ -660,11 +660,7 @@ class Gateway:
         sigmoid for one label, softmax over several; logits with `raw_scores`)."""
         model = self.served(req.model, (CROSS_ENCODER,), "classify text")
         name = model.name
-        if req.truncation_direction.lower() == "left":
-            raise ValidationError(
-                "truncation_direction `left` is not supported for classifiers.",
-                param="truncation_direction",
-            )
+        left = req.truncation_direction.lower() == "left"
         batch = isinstance(req.inputs, list) and isinstance(req.inputs[0], list)
         items: list[list[str]] = (
             req.inputs if batch else [[req.inputs] if isinstance(req.inputs, str) else req.inputs]  # type: ignore[assignment,list-item]
@@ -673,6 +669,12 @@ class Gateway:
         cut = self.auto_truncate if req.truncate is None else req.truncate
         limit = model.spec.max_input_tokens
         template = model.pair_template
+        if left and template is not None:
+            raise ValidationError(
+                f"truncation_direction `left` is not supported for `{name}`, whose chat "
+                "template's prompt is cut at its end (as sentence-transformers cuts it).",
+                param="truncation_direction",
+            )
         if template is not None and any(len(item) != 2 for item in items):
             raise ValidationError(
                 f"The model `{name}` scores (query, document) pairs through its chat "
@@ -693,13 +695,16 @@ class Gateway:
                         parts.append((ids, lengths, lengths))
                     elif len(item) == 1:
                         ids, lengths = model.tokenizer.encode_batch_packed(
-                            item, True, limit if cut else None
+                            item, True, limit if cut and not left else None
                         )
+                        if cut and left and int(lengths[0]) > limit:
+                            lead = len(self._special_frame(model)[0])
+                            ids, lengths = _cut_left(ids, lengths, limit, lead)
                         parts.append((ids, lengths, lengths))
                     else:  # cut as TEI and CrossEncoder do: longest first
                         parts.append(
                             model.tokenizer.encode_pairs_packed(
-                                item[0], item[1:], limit if cut else None
+                                item[0], item[1:], limit if cut else None, None, left
                             )
                         )
                 ids = np.concatenate([p[0] for p in parts])
@@ -790,13 +795,13 @@ class Gateway:
         # Everything about the request is checked before it is admitted: an embedder's
         # over-long query is a 400 however busy the replicas are.
         if spec.kind == CROSS_ENCODER:
-            if left:
+            template = model.pair_template
+            if left and template is not None:
                 raise ValidationError(
-                    "truncation_direction `left` is not supported for cross-encoders "
-                    "(pairs are cut at the document's end).",
+                    f"truncation_direction `left` is not supported for `{name}`, whose chat "
+                    "template's prompt is cut at its end (as sentence-transformers cuts it).",
                     param="truncation_direction",
                 )
-            template = model.pair_template
             if template is None:
                 # sentence-transformers' `prompt` goes before the query.
                 query = (req.instruction or "") + req.query
@@ -830,7 +835,8 @@ class Gateway:
                     # Pairs as `tokenizer(query, document, truncation=True)` builds them in
                     # sentence-transformers' CrossEncoder, TEI and vLLM: a document is cut to
                     # max_tokens_per_doc of its own tokens, then the pair to the model's
-                    # limit, longest first (a query over half the room is cut too).
+                    # limit, longest first (a query over half the room is cut too), at the
+                    # sequences' ends or, `left`, their starts.
                     with tracing.span("tokenize", inputs=len(docs)):
                         ids, lengths, first = await asyncio.to_thread(
                             model.tokenizer.encode_pairs_packed,
@@ -838,6 +844,7 @@ class Gateway:
                             docs,
                             spec.max_input_tokens if cut else None,
                             per_doc,
+                            left,
                         )
                 if not cut:
                     _check_lengths(lengths, spec.max_input_tokens, param)

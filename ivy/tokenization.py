@@ -52,11 +52,13 @@ class TextTokenizer(Protocol):
         documents: Sequence[str],
         max_length: int | None = None,
         max_second: int | None = None,
+        left: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`tokenizer(query, document)` for each document: packed ids, lengths, and the
         ids before each document's tokens. ``max_second`` cuts each document to that many
         of its own tokens; ``max_length`` then cuts each pair as HF's default
-        ``longest_first`` strategy does (`longest_first`)."""
+        ``longest_first`` strategy does (`longest_first`); ``left`` cuts sequences at their
+        start (keeping their end), as HF's ``direction="left"``."""
         ...
 
     def encode_with_offsets(
@@ -156,10 +158,11 @@ class RustTokenizer:
         documents: Sequence[str],
         max_length: int | None = None,
         max_second: int | None = None,
+        left: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         try:
             ids, lengths, first = self._tok.encode_pairs_packed(  # type: ignore[attr-defined]
-                query, list(documents), max_length=max_length, max_second=max_second
+                query, list(documents), max_length=max_length, max_second=max_second, left=left
             )
         except self._error as exc:
             raise TokenizationError(str(exc)) from None
@@ -262,6 +265,7 @@ class HFTokenizer:
         documents: Sequence[str],
         max_length: int | None = None,
         max_second: int | None = None,
+        left: bool = False,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         tok = self._tok
         room = None
@@ -272,18 +276,19 @@ class HFTokenizer:
         q = tok.encode(query, add_special_tokens=False)
         cut_queries = {len(q.ids): q}  # the query kept to n tokens, by n
         rows, first = [], []
+        side = "left" if left else "right"
         for d in tok.encode_batch(list(documents), add_special_tokens=False):
             if max_second is not None and len(d.ids) > max_second:
-                d.truncate(max_second)
+                d.truncate(max_second, direction=side)
             kept = q
             if room is not None:
                 n1, n2 = longest_first(len(q.ids), len(d.ids), room)
                 if n2 < len(d.ids):
-                    d.truncate(n2)
+                    d.truncate(n2, direction=side)
                 kept = cut_queries.get(n1)
                 if kept is None:
                     kept = tok.encode(query, add_special_tokens=False)
-                    kept.truncate(n1)
+                    kept.truncate(n1, direction=side)
                     cut_queries[n1] = kept
             pair = tok.post_process(kept, d, add_special_tokens=True)
             types = pair.type_ids

@@ -191,6 +191,16 @@ def predict(encoder: Any, query: str, docs: list[str], max_length: int | None = 
     return np.asarray(scores, dtype=np.float64)
 
 
+def predict_single(encoder: Any, texts: list[str]) -> np.ndarray:
+    """Scores of texts alone (sigmoid of the one logit), cut as the encoder's tokenizer is
+    set to cut them."""
+    tok = encoder.tokenizer
+    batch = tok(texts, padding=True, truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        logits = encoder.model(**batch).logits[:, 0]
+    return torch.sigmoid(logits).double().numpy()
+
+
 def expected_order(scores: np.ndarray) -> list[int]:
     order = np.argsort(-scores, kind="stable")
     # The tiny models' weights are wide enough that the order is unambiguous.
@@ -538,6 +548,27 @@ def test_a_long_query_is_cut_with_its_documents_as_cross_encoder_cuts_them(
         # without truncate, an over-long pair is refused
         refused = client.post("/predict", json={"inputs": inputs})
         assert refused.status_code == 400, refused.text
+        # TEI's truncation_direction `left`: each sequence keeps its end, as the
+        # tokenizer's truncation_side "left" keeps it
+        tok.truncation_side = "left"
+        try:
+            want_left = predict(encoder, query, DOCS)
+            alone = predict_single(encoder, list(DOCS))
+        finally:
+            tok.truncation_side = "right"
+        assert np.abs(want_left - want).max() > 1e-3  # the long pairs lost other tokens
+        body = {"query": query, "texts": DOCS, "truncate": True, "truncation_direction": "left"}
+        tei = client.post("/rerank", json=body)
+        assert tei.status_code == 200, tei.text
+        got = np.zeros(len(DOCS))
+        got[[r["index"] for r in tei.json()]] = [r["score"] for r in tei.json()]
+        np.testing.assert_allclose(got, want_left, atol=ATOL)
+        singles = [[d] for d in DOCS]
+        body = {"inputs": inputs + singles, "truncate": True, "truncation_direction": "left"}
+        r = client.post("/predict", json=body)
+        assert r.status_code == 200, r.text
+        scores = [row[0]["score"] for row in r.json()]
+        np.testing.assert_allclose(scores, np.concatenate((want_left, alone)), atol=ATOL)
 
 
 def _rerank(client: httpx.Client, model: str, query: str, documents: list, **extra: Any) -> dict:

@@ -89,26 +89,29 @@ def test_packed_batches_equal_reference(loaded: dict[Path, list], max_length: in
             assert unpack(ids, lengths) == want, (path, tok.backend)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("query", ["how do plants grow", TEXTS[2]])
 def test_pairs_are_cut_longest_first(
-    xlmr: Path, minilm: Path, loaded: dict[Path, list], query: str
+    xlmr: Path, minilm: Path, loaded: dict[Path, list], query: str, side: str
 ) -> None:
     """Both backends cut pairs as HF's default `longest_first` does (a query over half the
-    room gives up tokens too), after `max_second` cut each document to its own tokens."""
+    room gives up tokens too), after `max_second` cut each document to its own tokens; at
+    the sequences' ends, or (`left`, TEI's truncation_direction) their starts."""
     for path in (xlmr, minilm):
         ref = Tokenizer.from_file(str(path))
         ref.no_padding()
-        ref.enable_truncation(64)
+        ref.enable_truncation(64, direction=side)
         want = [e.ids for e in ref.encode_batch([(query, t) for t in TEXTS])]
         q = ref.encode(query, add_special_tokens=False)
         capped = []  # each document cut to 5 of its tokens, then the pair by `ref`'s rule
         for d in ref.encode_batch(TEXTS, add_special_tokens=False):
-            d.truncate(5)
+            d.truncate(5, direction=side)
             capped.append(ref.post_process(q, d).ids)
+        left = side == "left"
         for tok in loaded[path][:2]:
-            rows = unpack(*tok.encode_pairs_packed(query, TEXTS, 64)[:2])
+            rows = unpack(*tok.encode_pairs_packed(query, TEXTS, 64, None, left)[:2])
             assert rows == want, (path.parent.name, tok.backend)
-            assert unpack(*tok.encode_pairs_packed(query, TEXTS, 64, 5)[:2]) == capped
+            assert unpack(*tok.encode_pairs_packed(query, TEXTS, 64, 5, left)[:2]) == capped
         assert query != TEXTS[2] or len(q.ids) == 64  # over the room: cut in every pair
 
 

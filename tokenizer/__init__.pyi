@@ -51,6 +51,7 @@ class Tokenizer:
         documents: Sequence[str],
         max_length: int | None = None,
         max_second: int | None = None,
+        left: bool = False,
     ) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint32], npt.NDArray[np.uint32]]: ...
     def encode_with_offsets(
         self, text: str, add_special_tokens: bool = True

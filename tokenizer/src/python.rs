@@ -385,7 +385,7 @@ impl PyTokenizer {
                 let mut out = Vec::new();
                 let limits = PairLimits {
                     max_length,
-                    max_second: None,
+                    ..PairLimits::default()
                 };
                 tok.encode_pair_into(a, b, add_special_tokens, limits, s, &mut out)
                     .map(|_| out)
@@ -399,7 +399,7 @@ impl PyTokenizer {
         r.map_err(to_py)
     }
 
-    #[pyo3(signature = (query, documents, max_length=None, max_second=None))]
+    #[pyo3(signature = (query, documents, max_length=None, max_second=None, left=false))]
     fn encode_pairs_packed<'py>(
         &self,
         py: Python<'py>,
@@ -407,6 +407,7 @@ impl PyTokenizer {
         documents: &Bound<'py, PyAny>,
         max_length: Option<usize>,
         max_second: Option<usize>,
+        left: bool,
     ) -> PyResult<(U32Array<'py>, U32Array<'py>, U32Array<'py>)> {
         let items = str_items(documents, "documents")?;
         let docs = as_strs(&items)?;
@@ -414,6 +415,7 @@ impl PyTokenizer {
         let limits = PairLimits {
             max_length,
             max_second,
+            left,
         };
         let chunks = chunks_of(&docs);
         let bytes = total_bytes(&docs) + query.len() * docs.len();

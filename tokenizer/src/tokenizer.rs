@@ -49,6 +49,8 @@ pub struct PairLimits {
     pub max_length: Option<usize>,
     /// Tokens of the second sequence's own, cut to before `max_length` applies.
     pub max_second: Option<usize>,
+    /// Cut sequences at their start, keeping their end (HF's `direction="left"`).
+    pub left: bool,
 }
 
 /// A loaded tokenizer: immutable, shared freely across threads.
@@ -398,6 +400,7 @@ impl Tokenizer {
         let PairLimits {
             max_length,
             max_second,
+            left,
         } = limits;
         let room = self.budget(max_length, add_special_tokens, true)?;
         let mut first = std::mem::take(&mut scratch.first);
@@ -414,8 +417,13 @@ impl Tokenizer {
             },
             scratch,
         );
-        // Enough of `b` to tell which sequence is the shorter and, when `b` is, its length.
-        let budget = max_second.unwrap_or(usize::MAX).min(room.max(first.len()));
+        // Enough of `b` to tell which sequence is the shorter and, when `b` is, its length
+        // (all of it when its end is kept).
+        let budget = if left {
+            usize::MAX
+        } else {
+            max_second.unwrap_or(usize::MAX).min(room.max(first.len()))
+        };
         self.encode_content(
             b,
             &mut Sink {
@@ -426,11 +434,15 @@ impl Tokenizer {
             },
             scratch,
         );
-        second.truncate(budget);
+        keep(
+            &mut second,
+            max_second.unwrap_or(usize::MAX).min(budget),
+            left,
+        );
         if max_length.is_some() {
             let (n1, n2) = longest_first(first.len(), second.len(), room);
-            first.truncate(n1);
-            second.truncate(n2);
+            keep(&mut first, n1, left);
+            keep(&mut second, n2, left);
         }
         let split = if add_special_tokens {
             self.apply_template(&self.pair, &first, &second, out)
@@ -833,6 +845,15 @@ fn span(align: &[Align], a: usize, b: usize, seg_start: usize) -> (usize, usize)
         seg_start + align[a].0 as usize,
         seg_start + align[b - 1].1 as usize,
     )
+}
+
+/// Cuts `ids` to its first `n` (or, `left`, its last `n`) ids; allocates nothing.
+fn keep(ids: &mut Vec<u32>, n: usize, left: bool) {
+    if left {
+        ids.drain(..ids.len().saturating_sub(n));
+    } else {
+        ids.truncate(n);
+    }
 }
 
 /// The lengths HF's `longest_first` truncation keeps of a pair of `n1` and `n2` tokens in

@@ -101,7 +101,7 @@ fn steady_state_encoding_allocates_nothing() {
                         true,
                         PairLimits {
                             max_length: Some(64),
-                            max_second: None,
+                            ..PairLimits::default()
                         },
                         &mut scratch,
                         &mut out,

@@ -62,7 +62,7 @@ fn cache_sizes_agree_with_the_cache_off() {
                     true,
                     PairLimits {
                         max_length: Some(200),
-                        max_second: None,
+                        ..PairLimits::default()
                     },
                     &mut off,
                     &mut want,
@@ -74,7 +74,7 @@ fn cache_sizes_agree_with_the_cache_off() {
                         true,
                         PairLimits {
                             max_length: Some(200),
-                            max_second: None,
+                            ..PairLimits::default()
                         },
                         s,
                         &mut got,
