@@ -668,13 +668,7 @@ class Gateway:
         self.check_count(len(items), "inputs")
         cut = self.auto_truncate if req.truncate is None else req.truncate
         limit = model.spec.max_input_tokens
-        template = model.pair_template
-        if left and template is not None:
-            raise ValidationError(
-                f"truncation_direction `left` is not supported for `{name}`, whose chat "
-                "template's prompt is cut at its end (as sentence-transformers cuts it).",
-                param="truncation_direction",
-            )
+        template = _pair_template(model, left)
         if template is not None and any(len(item) != 2 for item in items):
             raise ValidationError(
                 f"The model `{name}` scores (query, document) pairs through its chat "
@@ -795,13 +789,7 @@ class Gateway:
         # Everything about the request is checked before it is admitted: an embedder's
         # over-long query is a 400 however busy the replicas are.
         if spec.kind == CROSS_ENCODER:
-            template = model.pair_template
-            if left and template is not None:
-                raise ValidationError(
-                    f"truncation_direction `left` is not supported for `{name}`, whose chat "
-                    "template's prompt is cut at its end (as sentence-transformers cuts it).",
-                    param="truncation_direction",
-                )
+            template = _pair_template(model, left)
             if template is None:
                 # sentence-transformers' `prompt` goes before the query.
                 query = (req.instruction or "") + req.query
@@ -1007,6 +995,20 @@ def _prompted(
         return inputs, ""
     rows = [inputs] if isinstance(inputs[0], int) else inputs
     return model.decode(rows, True, param=field), prompt  # type: ignore[arg-type]
+
+
+def _pair_template(model: ServedModel, left: bool) -> PairTemplate | None:
+    """The chat template a cross-encoder reads its pairs through (None: pairs as the
+    tokenizer builds them), refusing truncation_direction `left` for one: sentence-
+    transformers cuts such a prompt at its end."""
+    template = model.pair_template
+    if left and template is not None:
+        raise ValidationError(
+            f"truncation_direction `left` is not supported for `{model.name}`, whose chat "
+            "template's prompt is cut at its end (as sentence-transformers cuts it).",
+            param="truncation_direction",
+        )
+    return template
 
 
 def _render_pair(

@@ -107,6 +107,15 @@ fn steady_state_encoding_allocates_nothing() {
                         &mut out,
                     )
                     .unwrap();
+                    // a long query against the document, both cut at their starts
+                    let limits = PairLimits {
+                        max_length: Some(64),
+                        max_second: Some(40),
+                        left: true,
+                    };
+                    tok.encode_pair_into(t, t, true, limits, &mut scratch, &mut out)
+                        .unwrap();
+                    assert!(out.len() <= 64);
                 }
             });
             assert_eq!(n, 0, "{file}: {n} allocations at ~{bytes} bytes");
