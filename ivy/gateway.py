@@ -1058,7 +1058,8 @@ def _template_pairs(
     limit = model.spec.max_input_tokens
     rows: list[np.ndarray] = []
     for doc in docs:
-        if per_doc is not None:
+        # a text has at most one token per UTF-8 byte, and one more a prefix may add
+        if per_doc is not None and len(doc.encode()) + 1 > per_doc:
             _, offsets = tok.encode_with_offsets(doc, add_special_tokens=False)
             if len(offsets) > per_doc:
                 doc = doc[: offsets[per_doc - 1][1]]
