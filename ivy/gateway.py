@@ -216,18 +216,23 @@ class Gateway:
         keeping the leading special tokens, when `left`), else refused with a 400."""
         limit = model.spec.max_input_tokens
         cut = min(limit, max_length) if max_length is not None else limit
-        trunc = cut if truncate and not left else None
-        chars = sum(len(t) for t in texts)
-        if chars > _INLINE_CHARS:
-            ids, lengths = await asyncio.to_thread(
-                model.tokenizer.encode_batch_packed, texts, True, trunc
-            )
+        to = cut if truncate else None
+        if sum(len(t) for t in texts) > _INLINE_CHARS:
+            ids, lengths = await asyncio.to_thread(self._encode, model, texts, to, left)
         else:
-            ids, lengths = model.tokenizer.encode_batch_packed(texts, True, trunc)
-        if truncate and left and lengths.size and int(lengths.max()) > cut:
-            ids, lengths = _cut_left(ids, lengths, cut, len(self._special_frame(model)[0]))
+            ids, lengths = self._encode(model, texts, to, left)
         if not truncate:
             _check_lengths(lengths, limit, param, fix)
+        return ids, lengths
+
+    def _encode(
+        self, model: ServedModel, texts: Sequence[str], cut: int | None, left: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Packed ids and lengths of `texts`, each cut to `cut` tokens (None: not cut): at
+        its end, or (`left`) at its start, keeping the leading special tokens."""
+        ids, lengths = model.tokenizer.encode_batch_packed(texts, True, None if left else cut)
+        if cut is not None and left and lengths.size and int(lengths.max()) > cut:
+            ids, lengths = _cut_left(ids, lengths, cut, len(self._special_frame(model)[0]))
         return ids, lengths
 
     def _special_frame(self, model: ServedModel) -> tuple[np.ndarray, np.ndarray]:
@@ -682,18 +687,12 @@ class Gateway:
                 parts = []
                 for item in items:  # a single text is its own first segment
                     if template is not None:  # as /rerank reads the pair
-                        suffix = _template_suffix(model, template, item[0], None)
                         ids, lengths = _template_pairs(
-                            model, template, item[0], None, item[1:], None, cut, suffix
+                            model, template, item[0], None, item[1:], None, cut
                         )
                         parts.append((ids, lengths, lengths))
                     elif len(item) == 1:
-                        ids, lengths = model.tokenizer.encode_batch_packed(
-                            item, True, limit if cut and not left else None
-                        )
-                        if cut and left and int(lengths[0]) > limit:
-                            lead = len(self._special_frame(model)[0])
-                            ids, lengths = _cut_left(ids, lengths, limit, lead)
+                        ids, lengths = self._encode(model, item, limit if cut else None, left)
                         parts.append((ids, lengths, lengths))
                     else:  # cut as TEI and CrossEncoder do: longest first
                         parts.append(
@@ -793,8 +792,6 @@ class Gateway:
             if template is None:
                 # sentence-transformers' `prompt` goes before the query.
                 query = (req.instruction or "") + req.query
-            else:
-                suffix = _template_suffix(model, template, req.query, req.instruction)
         else:
             q_prompt = (
                 model.instructed_prompt(req.instruction) if req.instruction else spec.query_prompt
@@ -816,7 +813,6 @@ class Gateway:
                             docs,
                             per_doc,
                             cut,
-                            suffix,
                         )
                     first = lengths.astype(np.uint32)  # one segment: the rendered prompt
                 else:
@@ -1046,16 +1042,16 @@ def _template_pairs(
     docs: Sequence[str],
     per_doc: int | None,
     cut: bool,
-    suffix: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Packed ids and lengths of (query, document) pairs rendered by the model's chat
     template (`PairTemplate`, `_render_pair`), each document first cut to `per_doc` of its
     own tokens. A prompt over the model's limit, when cutting, is cut as
     sentence-transformers' CrossEncoder cuts it: to the limit, with the template's tail
-    (`suffix`, `_template_suffix`) written back over its last ids, so the model still reads
-    its score where it expects to."""
+    (`_template_suffix`, found for the first such prompt) written back over its last ids,
+    so the model still reads its score where it expects to."""
     tok = model.tokenizer
     limit = model.spec.max_input_tokens
+    suffix: np.ndarray | None = None
     rows: list[np.ndarray] = []
     for doc in docs:
         # a text has at most one token per UTF-8 byte, and one more a prefix may add
@@ -1065,6 +1061,8 @@ def _template_pairs(
                 doc = doc[: offsets[per_doc - 1][1]]
         ids = _render_pair(model, template, query, doc, instruction)
         if cut and ids.size > limit:
+            if suffix is None:
+                suffix = _template_suffix(model, template, query, instruction)
             ids = np.concatenate((ids[: max(limit - suffix.size, 0)], suffix[-limit:]))
         rows.append(ids)
     lengths = np.fromiter((r.size for r in rows), dtype=np.uint32, count=len(rows))
