@@ -73,6 +73,8 @@ from ivy.schemas import (
     Readiness,
     RerankRequest,
     RerankResponse,
+    ScoreRequest,
+    ScoreResponse,
     TeiDecodeRequest,
     TeiEmbedAllRequest,
     TeiEmbedRequest,
@@ -232,6 +234,9 @@ def route_table(app: IvyApp) -> list[Route]:
     ) -> RerankResponse | list[TeiRankWithText] | list[TeiRank]:
         return await gateway().rerank(req, timings)
 
+    async def score(req: ScoreRequest, timings: Timings) -> ScoreResponse:
+        return await gateway().score(req, timings)
+
     async def tei_embed(req: TeiEmbedRequest, timings: Timings) -> np.ndarray:
         return await gateway().tei_embed(req, timings)
 
@@ -303,16 +308,34 @@ def route_table(app: IvyApp) -> list[Route]:
         )
         for path in ("/v1/rerank", "/v2/rerank", "/rerank")
     ]
-    return [
+    # TEI and Infinity also serve OpenAI's embeddings at /embeddings (a client whose
+    # base URL has no /v1)
+    embedding_routes = [
         Route(
             "POST",
-            "/v1/embeddings",
-            _timed(metrics, "/v1/embeddings", embeddings),
+            path,
+            _timed(metrics, path, embeddings),
             EmbeddingRequest,
             EmbeddingResponse,
             "Create embeddings (OpenAI)",
             errors=errors,
-        ),
+        )
+        for path in ("/v1/embeddings", "/embeddings")
+    ]
+    score_routes = [
+        Route(
+            "POST",
+            path,
+            _timed(metrics, path, score),
+            ScoreRequest,
+            ScoreResponse,
+            "Score text pairs, 1:1, 1:N or N:N (vLLM)",
+            errors=errors,
+        )
+        for path in ("/score", "/v1/score")
+    ]
+    return [
+        *embedding_routes,
         Route(
             "POST",
             "/v1/contextualizedembeddings",
@@ -323,6 +346,7 @@ def route_table(app: IvyApp) -> list[Route]:
             errors=errors,
         ),
         *rerank_routes,
+        *score_routes,
         Route(
             "POST",
             "/v2/embed",
@@ -408,15 +432,19 @@ def route_table(app: IvyApp) -> list[Route]:
             errors=(401, 404),
         ),
         Route("GET", "/health/live", live, None, Health, "Liveness", public=True, errors=()),
-        Route(
-            "GET",
-            "/health/ready",
-            ready,
-            None,
-            Readiness,
-            "Readiness: 503 (same shape) while a model has no healthy replica or draining",
-            public=True,
-            errors=(503,),
+        *(
+            Route(
+                "GET",
+                path,
+                ready,
+                None,
+                Readiness,
+                "Readiness: 503 (same shape) while a model has no healthy replica or draining"
+                + (" (TEI's, vLLM's and Infinity's probe path)" if path == "/health" else ""),
+                public=True,
+                errors=(503,),
+            )
+            for path in ("/health/ready", "/health")
         ),
         Route(
             "GET",

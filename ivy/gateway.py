@@ -41,6 +41,10 @@ from ivy.schemas import (
     RerankResult,
     RerankResultWithDocument,
     RerankText,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
+    ScoreUsage,
     SimilarityParameters,
     SparseEmbedding,
     TeiDecodeRequest,
@@ -68,6 +72,14 @@ __all__ = ["Gateway", "Timings"]
 _INLINE_CHARS = 4096
 _DEFAULT_MAX_TOKENS_PER_DOC = 4096
 _NO_PARAMETERS = SimilarityParameters()
+# vLLM's /score: its pairs of field names, and how it asks for pairs to be cut
+_SCORE_FIELDS = (
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("data_1", "data_2"),
+    ("text_1", "text_2"),
+)
+_SCORE_TRUNCATE = "send `truncate_prompt_tokens`"
 # Characters per token are at most this in the served tokenizers' real-world text (a
 # token hint from characters under-counts, never over-counts, the tokens to come).
 _CHARS_PER_TOKEN_BOUND = 8
@@ -482,7 +494,7 @@ class Gateway:
         timings: Timings,
     ) -> tuple[EmbedOutputs, int]:
         inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
-        prompt = model.prompt_named(req.prompt_name) if req.prompt_name is not None else ""
+        prompt = model.prompt_named(req.prompt_name)
         inputs, prompt = _prompted(model, inputs, prompt, "inputs")
         return await self.embed_outputs(
             model,
@@ -603,7 +615,7 @@ class Gateway:
         """TEI's /embed: one array of floats per input."""
         model = self.embedder(req.model)
         inputs = [req.inputs] if isinstance(req.inputs, str) else req.inputs
-        prompt = model.prompt_named(req.prompt_name) if req.prompt_name is not None else ""
+        prompt = model.prompt_named(req.prompt_name)
         inputs, prompt = _prompted(model, inputs, prompt, "inputs")
         vectors, _ = await self.embed(
             model,
@@ -622,7 +634,7 @@ class Gateway:
         """TEI's /similarity: the cosine of the source sentence with each sentence."""
         model = self.embedder(req.model)
         params = req.parameters or _NO_PARAMETERS
-        prompt = model.prompt_named(params.prompt_name) if params.prompt_name else ""
+        prompt = model.prompt_named(params.prompt_name)
         texts = [req.inputs.source_sentence, *req.inputs.sentences]
         vectors, _ = await self.embed(
             model,
@@ -684,25 +696,9 @@ class Gateway:
         deadline, claim = self._admit(name, [t for item in items for t in item])
         with claim:
             with tracing.span("tokenize", inputs=len(items)):
-                parts = []
-                for item in items:  # a single text is its own first segment
-                    if template is not None:  # as /rerank reads the pair
-                        ids, lengths = _template_pairs(
-                            model, template, item[0], None, item[1:], None, cut
-                        )
-                        parts.append((ids, lengths, lengths))
-                    elif len(item) == 1:
-                        ids, lengths = self._encode(model, item, limit if cut else None, left)
-                        parts.append((ids, lengths, lengths))
-                    else:  # cut as TEI and CrossEncoder do: longest first
-                        parts.append(
-                            model.tokenizer.encode_pairs_packed(
-                                item[0], item[1:], limit if cut else None, None, left
-                            )
-                        )
-                ids = np.concatenate([p[0] for p in parts])
-                lengths = np.concatenate([p[1] for p in parts])
-                first = np.concatenate([p[2] for p in parts])
+                ids, lengths, first = self._pairs(
+                    model, template, items, limit if cut else None, left
+                )
                 if not cut:
                     _check_lengths(lengths, limit, "inputs")
             timings.tokenize_s = time.perf_counter() - t0
@@ -726,6 +722,127 @@ class Gateway:
             for row in scores
         ]
         return ranked if batch else ranked[0]
+
+    def _pairs(
+        self,
+        model: ServedModel,
+        template: PairTemplate | None,
+        items: Sequence[Sequence[str]],
+        max_length: int | None,
+        left: bool,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A cross-encoder's packed ids, lengths and first-segment lengths of `items`, each
+        a pair of texts or a single text (its own first segment), cut to `max_length` as
+        TEI and `CrossEncoder` cut them: pairs longest first, a chat-template reranker's
+        rendered prompt with its tail kept (`_template_pairs`)."""
+        parts = []
+        for item in items:
+            if template is not None:  # as /rerank reads the pair
+                ids, lengths = _template_pairs(
+                    model, template, item[0], None, item[1:], None, max_length
+                )
+                parts.append((ids, lengths, lengths))
+            elif len(item) == 1:
+                ids, lengths = self._encode(model, item, max_length, left)
+                parts.append((ids, lengths, lengths))
+            else:
+                parts.append(
+                    model.tokenizer.encode_pairs_packed(item[0], item[1:], max_length, None, left)
+                )
+        return tuple(np.concatenate([p[k] for p in parts]) for k in range(3))  # type: ignore[return-value]
+
+    async def score(self, req: ScoreRequest, timings: Timings) -> ScoreResponse:
+        """vLLM's /score: each pair's relevance, a cross-encoder's score (its sigmoid,
+        logits with `use_activation: false`) or an embedder's cosine of the two texts."""
+        present = {n for pair in _SCORE_FIELDS for n in pair if getattr(req, n) is not None}
+        sides = [pair for pair in _SCORE_FIELDS if present.issuperset(pair)]
+        if len(sides) != 1 or present != set(sides[0]):
+            # the field to fix: one too many, or the partner of one sent alone
+            if len(sides) == 1:
+                param = min(present - set(sides[0]))
+            elif sides:  # `queries` with both `documents` and `items`
+                param = sides[1][1]
+            else:
+                sent = [(a, b) for a, b in _SCORE_FIELDS if a in present or b in present]
+                param = next(((b if a in present else a) for a, b in sent), "queries")
+            raise ValidationError(
+                "Send the texts to score as one of vLLM's pairs of fields: `queries` and "
+                "`documents`, `queries` and `items`, `data_1` and `data_2`, or `text_1` and "
+                "`text_2`.",
+                param=param,
+            )
+        a_name, b_name = sides[0]
+        a, b = getattr(req, a_name), getattr(req, b_name)
+        a, b = ([a] if isinstance(a, str) else list(a)), ([b] if isinstance(b, str) else list(b))
+        if len(a) != 1 and len(a) != len(b):
+            raise ValidationError(
+                f"`{a_name}` has {len(a)} texts and `{b_name}` {len(b)}: score 1 against 1, "
+                "1 against N or N against N.",
+                param=b_name,
+            )
+        self.check_count(len(b), b_name)
+        model = self.reranker(req.model)
+        name, spec = model.name, model.spec
+        limit = spec.max_input_tokens
+        k = req.truncate_prompt_tokens
+        if k is not None and k > limit:
+            raise ValidationError(
+                f"truncate_prompt_tokens ({k}) is over the model's limit of {limit} tokens.",
+                param="truncate_prompt_tokens",
+            )
+        max_length = None if k is None else limit if k == -1 else k
+        left = req.truncation_side == "left"
+        self._check_chars(a + b, b_name)
+        t0 = time.perf_counter()
+        deadline, claim = self._admit(name, a + b)
+        with claim:
+            with tracing.span("tokenize", inputs=len(a) + len(b)):
+                if spec.kind == CROSS_ENCODER:
+                    pairs = [(a[0] if len(a) == 1 else a[i], doc) for i, doc in enumerate(b)]
+                    template = _pair_template(model, left, "truncation_side")
+                    ids, lengths, first = await asyncio.to_thread(
+                        self._pairs, model, template, pairs, max_length, left
+                    )
+                    _check_lengths(lengths, limit, b_name, _SCORE_TRUNCATE)
+                else:  # each text embedded once, with the prompt of no prompt chosen
+                    prompt = model.prompt_for(None)
+                    ids, lengths = await self._tokenize(
+                        model,
+                        [prompt + t for t in a + b] if prompt else a + b,
+                        truncate=max_length is not None,
+                        max_length=max_length,
+                        left=left,
+                        param=b_name,
+                        fix=_SCORE_TRUNCATE,
+                    )
+            timings.tokenize_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            if spec.kind == CROSS_ENCODER:
+                raw, timings.chunks, timings.replica_s = await self.router.score(
+                    name,
+                    ids,
+                    lengths,
+                    first,
+                    deadline=deadline,
+                    claim=claim,
+                    activation=False if req.use_activation is False else None,
+                )
+                scores = raw[:, 0] if raw.ndim == 2 else raw
+            else:
+                vectors, timings.chunks, timings.replica_s = await self.router.embed(
+                    name, ids, lengths, dimensions=0, deadline=deadline, claim=claim
+                )
+                queries = vectors[: len(a)] if len(a) > 1 else vectors[:1]
+                docs = vectors[len(a) :]
+                norms = np.linalg.norm(queries, axis=1) * np.linalg.norm(docs, axis=1)
+                scores = (queries * docs).sum(axis=1) / np.maximum(norms, 1e-12)
+            timings.inference_s = time.perf_counter() - t1
+        tokens = int(ids.size)
+        self.metrics.input_tokens.labels(model=name).inc(tokens)
+        data = [ScoreData(i, float(v)) for i, v in enumerate(scores.tolist())]
+        return ScoreResponse(
+            f"score-{uuid.uuid4().hex}", int(time.time()), name, data, ScoreUsage(tokens, tokens)
+        )
 
     def tei_decode(self, req: TeiDecodeRequest) -> list[str]:
         """TEI's /decode: one string per row of ids."""
@@ -812,7 +929,7 @@ class Gateway:
                             req.instruction,
                             docs,
                             per_doc,
-                            cut,
+                            spec.max_input_tokens if cut else None,
                         )
                     first = lengths.astype(np.uint32)  # one segment: the rendered prompt
                 else:
@@ -922,9 +1039,8 @@ class Gateway:
         param = "inputs" if tei else "input"
         texts = [raw] if isinstance(raw, str) else list(raw)  # type: ignore[arg-type]
         self.check_count(len(texts), param)
-        if req.prompt_name is not None:
-            prompt = model.prompt_named(req.prompt_name)
-            texts = [prompt + t for t in texts]
+        prompt = model.prompt_named(req.prompt_name)
+        texts = [prompt + t for t in texts] if prompt else texts
         self._check_chars(texts, param)
 
         def run() -> list[tuple[list[int], list[tuple[int, int]]]]:
@@ -993,16 +1109,18 @@ def _prompted(
     return model.decode(rows, True, param=field), prompt  # type: ignore[arg-type]
 
 
-def _pair_template(model: ServedModel, left: bool) -> PairTemplate | None:
+def _pair_template(
+    model: ServedModel, left: bool, param: str = "truncation_direction"
+) -> PairTemplate | None:
     """The chat template a cross-encoder reads its pairs through (None: pairs as the
-    tokenizer builds them), refusing truncation_direction `left` for one: sentence-
-    transformers cuts such a prompt at its end."""
+    tokenizer builds them), refusing left cuts (`param`, the request's field for them) for
+    one: sentence-transformers cuts such a prompt at its end."""
     template = model.pair_template
     if left and template is not None:
         raise ValidationError(
-            f"truncation_direction `left` is not supported for `{model.name}`, whose chat "
+            f"{param} `left` is not supported for `{model.name}`, whose chat "
             "template's prompt is cut at its end (as sentence-transformers cuts it).",
-            param="truncation_direction",
+            param=param,
         )
     return template
 
@@ -1041,16 +1159,15 @@ def _template_pairs(
     instruction: str | None,
     docs: Sequence[str],
     per_doc: int | None,
-    cut: bool,
+    limit: int | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Packed ids and lengths of (query, document) pairs rendered by the model's chat
     template (`PairTemplate`, `_render_pair`), each document first cut to `per_doc` of its
-    own tokens. A prompt over the model's limit, when cutting, is cut as
+    own tokens. A prompt over `limit` tokens (None: no cut) is cut as
     sentence-transformers' CrossEncoder cuts it: to the limit, with the template's tail
     (`_template_suffix`, found for the first such prompt) written back over its last ids,
     so the model still reads its score where it expects to."""
     tok = model.tokenizer
-    limit = model.spec.max_input_tokens
     suffix: np.ndarray | None = None
     rows: list[np.ndarray] = []
     for doc in docs:
@@ -1060,7 +1177,7 @@ def _template_pairs(
             if len(offsets) > per_doc:
                 doc = doc[: offsets[per_doc - 1][1]]
         ids = _render_pair(model, template, query, doc, instruction)
-        if cut and ids.size > limit:
+        if limit is not None and ids.size > limit:
             if suffix is None:
                 suffix = _template_suffix(model, template, query, instruction)
             ids = np.concatenate((ids[: max(limit - suffix.size, 0)], suffix[-limit:]))

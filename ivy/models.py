@@ -41,6 +41,14 @@ OUTPUT_KINDS = {
 }
 _OUTPUT_NAMES = {value: name for name, value in OUTPUT_KINDS.items()}
 
+# other spellings of the two prompts every embedder route knows (Cohere's, E5's)
+_PROMPT_ALIASES = {
+    "search_query": ("query",),
+    "document": ("passage",),
+    "passage": ("document",),
+    "search_document": ("document", "passage"),
+}
+
 _KINDS = {
     pb.MODEL_KIND_EMBEDDING: EMBEDDING,
     pb.MODEL_KIND_CROSS_ENCODER: CROSS_ENCODER,
@@ -63,6 +71,11 @@ class ModelSpec:
     labels: tuple[str, ...] = ()
     # output kinds an embedder offers (`OUTPUT_KINDS` names); a replica's Info says for sure
     outputs: tuple[str, ...] = ("dense",)
+    # every sentence-transformers prompt by name (config_sentence_transformers.json's
+    # `prompts`), None when the model has no such config; `default_prompt` is the one its
+    # `default_prompt_name` names, put before texts sent with no prompt chosen
+    prompts: tuple[tuple[str, str], ...] | None = None
+    default_prompt: str = ""
 
     def with_info(self, info: pb.InfoResponse) -> ModelSpec:
         outputs = tuple(_OUTPUT_NAMES[o] for o in info.outputs if o in _OUTPUT_NAMES)
@@ -73,6 +86,9 @@ class ModelSpec:
             max_input_tokens=int(info.max_input_tokens) or self.max_input_tokens,
             query_prompt=self.query_prompt or info.query_prompt,
             document_prompt=self.document_prompt or info.document_prompt,
+            prompts=self.prompts
+            if self.prompts is not None or not (info.query_prompt or info.document_prompt)
+            else (("query", info.query_prompt), ("document", info.document_prompt)),
             vocab_size=int(info.vocab_size) or self.vocab_size,
             confirmed=True,
             # An older server lists none: it gives dense vectors only.
@@ -92,9 +108,17 @@ def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
     config = _read_json(directory / "config.json")
     st_config = _read_json(directory / "config_sentence_transformers.json")
     sbert = _read_json(directory / "sentence_bert_config.json")
-    prompts = st_config.get("prompts") or {}
-    query_prompt = str(prompts.get("query", ""))
-    document_prompt = str(prompts.get("document", prompts.get("passage", "")))
+    raw_prompts = st_config.get("prompts")
+    prompts = {str(k): str(v) for k, v in raw_prompts.items()} if raw_prompts else {}
+    query_prompt = prompts.get("query", "")
+    document_prompt = prompts.get("document", prompts.get("passage", ""))
+    # sentence-transformers refuses a default name missing from the prompts; so does Ivy
+    default_name = st_config.get("default_prompt_name")
+    if default_name is not None and default_name not in prompts:
+        raise ValueError(
+            f"{directory}: default_prompt_name {default_name!r} is not one of the prompts "
+            f"{sorted(prompts)} (config_sentence_transformers.json)"
+        )
     architectures = " ".join(config.get("architectures") or [])
     if "SequenceClassification" in architectures:
         kind = CROSS_ENCODER
@@ -142,6 +166,8 @@ def read_model_spec(directory: Path, vocab_size: int) -> ModelSpec:
         document_prompt=document_prompt,
         vocab_size=vocab_size,
         outputs=outputs,
+        prompts=tuple(prompts.items()) if prompts else None,
+        default_prompt=prompts[default_name] if default_name is not None else "",
     )
 
 
@@ -226,11 +252,13 @@ class ServedModel:
         return f"{label}: {instruction}\n{rest}"
 
     def prompt_for(self, input_type: str | None) -> str:
+        """The prompt an OpenAI-/Cohere-style `input_type` selects: the model's query or
+        document prompt (empty where it has none); the default prompt without one."""
         if input_type == "search_query" or input_type == "query":
             return self.spec.query_prompt
         if input_type in ("search_document", "document", "passage"):
             return self.spec.document_prompt
-        return ""
+        return self.spec.default_prompt if input_type is None else ""
 
     @functools.cached_property
     def reference_tokenizer(self) -> tokenizers.Tokenizer:
@@ -270,14 +298,25 @@ class ServedModel:
                 )
         return self.reference_tokenizer.decode_batch(rows, skip_special_tokens=skip_special_tokens)
 
-    def prompt_named(self, name: str) -> str:
-        """The prompt a sentence-transformers ``prompt_name`` selects (TEI's field)."""
-        if name in ("query", "search_query"):
-            return self.spec.query_prompt
-        if name in ("document", "passage", "search_document"):
-            return self.spec.document_prompt
+    def prompt_named(self, name: str | None) -> str:
+        """The prompt TEI's ``prompt_name`` selects: the model's sentence-transformers prompt
+        of that name (``query`` and ``document`` also answer to Cohere's and E5's spellings);
+        with no name the default prompt, as sentence-transformers (and TEI's
+        ``--default-prompt-name``) apply it. A name the model lacks is TEI's 400."""
+        if name is None:
+            return self.spec.default_prompt
+        prompts = dict(self.spec.prompts or ())
+        for key in (name, *_PROMPT_ALIASES.get(name, ())):
+            if key in prompts:
+                return prompts[key]
+        if not prompts:
+            raise ValidationError(
+                f"`prompt_name` is `{name}` but the model `{self.name}` has no prompts "
+                "(none in its config_sentence_transformers.json).",
+                param="prompt_name",
+            )
         raise ValidationError(
-            f"Unknown prompt_name {name!r}: send `query` or `document` (the model's "
-            "sentence-transformers prompts of those names, empty where it has none).",
+            f"`prompt_name` is `{name}` but the model `{self.name}` has no prompt of that "
+            f"name; its prompts: {', '.join(prompts)}.",
             param="prompt_name",
         )

@@ -217,7 +217,9 @@ class TeiEmbedAllRequest(_Strict):
     )
     truncation_direction: Direction = "Right"
     prompt_name: str | None = Field(
-        default=None, description="`query` or `document`: the model's prompt of that name."
+        default=None,
+        description="A prompt of the model's sentence-transformers config, by name (e.g. "
+        "`query`, `document`); default: the model's `default_prompt_name`, if any.",
     )
     model: str | None = Field(
         default=None,
@@ -367,6 +369,59 @@ class RerankRequest(_Strict):
     )
 
 
+ScoreTexts = NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]
+
+
+class ScoreRequest(_Strict):
+    """vLLM's /score request: the texts of one side against the other's, 1:1, 1:N or N:N,
+    under any of vLLM's pairs of names (`queries`/`documents`, `queries`/`items`,
+    `data_1`/`data_2`, `text_1`/`text_2`), exactly one pair (checked in `Gateway.score`,
+    so the 400 names the field)."""
+
+    model: str | None = Field(default=None, description="Default: the first reranker.")
+    queries: ScoreTexts | None = None
+    documents: ScoreTexts | None = None
+    items: ScoreTexts | None = None
+    data_1: ScoreTexts | None = None
+    data_2: ScoreTexts | None = None
+    text_1: ScoreTexts | None = None
+    text_2: ScoreTexts | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=UINT32_MAX)] | None = Field(
+        default=None,
+        description="Cut each pair to this many tokens, longest first (-1: the model's "
+        "limit); default: a pair over the limit is a 400.",
+    )
+    truncation_side: Literal["left", "right"] | None = None
+    use_activation: bool | None = Field(
+        default=None, description="false: a cross-encoder's logits instead of its sigmoid."
+    )
+    user: str | None = None
+
+
+@dataclass(slots=True)
+class ScoreData:
+    index: int
+    score: float
+    object: str = "score"
+
+
+@dataclass(slots=True)
+class ScoreUsage:
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ScoreResponse:
+    id: str
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: ScoreUsage
+    object: str = "list"
+
+
 @dataclass(slots=True)
 class ApiVersion:
     version: str
@@ -462,7 +517,9 @@ class TokenizeRequest(_Strict):
     input: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     inputs: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
-    prompt_name: str | None = Field(default=None, description="TEI: `query` or `document`.")
+    prompt_name: str | None = Field(
+        default=None, description="TEI: the model's prompt of that name."
+    )
 
 
 @dataclass(slots=True)

@@ -737,7 +737,9 @@ def test_no_op_values_and_harmless_unknown_fields_are_accepted(
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("path", ["/health/live", "/health/ready", MODELS, "/info", "/metrics"])
+@pytest.mark.parametrize(
+    "path", ["/health/live", "/health/ready", "/health", MODELS, "/info", "/metrics"]
+)
 def test_head_answers_wherever_get_does(stack: Stack, path: str) -> None:
     """RFC 9110: a server that answers GET answers HEAD, with GET's status and headers and
     no body; a wrong method's 405 lists both."""

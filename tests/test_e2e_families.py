@@ -394,7 +394,13 @@ def _qwen3_logit_score_reranker(root: Path) -> Path:
 
 # EmbeddingGemma's shape: bidirectional Gemma 3 with sliding-window layers, mean pooling, two
 # Dense projections (768 -> 3072 -> 768 in the real model), Normalize, its task prompts.
-GEMMA_PROMPTS = {"query": "task: search result | query: ", "document": "title: none | text: "}
+# its task prompts (some of them), one of them the default here (the real model has none)
+GEMMA_PROMPTS = {
+    "query": "task: search result | query: ",
+    "document": "title: none | text: ",
+    "STS": "task: sentence similarity | query: ",
+    "Clustering": "task: clustering | query: ",
+}
 
 
 def _embeddinggemma(root: Path) -> Path:
@@ -431,6 +437,7 @@ def _embeddinggemma(root: Path) -> Path:
             Normalize(),
         ],
         prompts=GEMMA_PROMPTS,
+        default_prompt_name="Clustering",
     )
     st.save_pretrained(str(root / "gemma3-embed"))
     return root / "gemma3-embed"
@@ -498,6 +505,106 @@ def test_rerank_equals_transformers(base: str, dirs: dict[str, Path], name: str)
     got = np.array([x["relevance_score"] for x in sorted(results, key=lambda x: x["index"])])
     np.testing.assert_allclose(got, want, atol=1e-4)
     assert np.ptp(want) > 1e-2  # the scores really are apart: the order means something
+
+
+# ---- vLLM's /score -------------------------------------------------------------------------
+SCORE_FIELDS = [
+    ("queries", "documents"),
+    ("queries", "items"),
+    ("data_1", "data_2"),
+    ("text_1", "text_2"),
+]
+
+
+def _scores(base: str, path: str = "/score", **body: Any) -> tuple[np.ndarray, dict]:
+    r = httpx.post(f"{base}{path}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "list" and data["id"].startswith("score-")
+    assert [d["index"] for d in data["data"]] == list(range(len(data["data"])))
+    assert {d["object"] for d in data["data"]} == {"score"}
+    return np.array([d["score"] for d in data["data"]]), data
+
+
+@pytest.mark.parametrize("path", ["/score", "/v1/score"])
+def test_vllm_score_on_a_cross_encoder_equals_transformers(
+    base: str, dirs: dict[str, Path], path: str
+) -> None:
+    """vLLM's /score on a DeBERTa-v2 cross-encoder: 1:N under each of vLLM's pairs of
+    field names, N:N in order and 1:1, each pair's sigmoid as transformers computes it (the
+    logit with `use_activation: false`), usage counting the pairs' tokens."""
+    tok = Tokenizer.from_file(str(dirs["deberta-rr"] / "tokenizer.json"))
+    want = _reference_scores(dirs["deberta-rr"], QUERY, TEXTS)
+    assert np.ptp(want) > 1e-2
+    for a, b in SCORE_FIELDS:
+        got, data = _scores(base, path, model="deberta-rr", **{a: QUERY, b: TEXTS})
+        np.testing.assert_allclose(got, want, atol=1e-4)
+        tokens = sum(len(tok.encode(QUERY, t).ids) for t in TEXTS)
+        assert data["model"] == "deberta-rr"
+        assert data["usage"] == {
+            "prompt_tokens": tokens,
+            "total_tokens": tokens,
+            "completion_tokens": 0,
+        }
+    queries, docs = [QUERY, TEXTS[1], TEXTS[2]], [TEXTS[0], TEXTS[3], QUERY]
+    got, _ = _scores(base, path, model="deberta-rr", text_1=queries, text_2=docs)
+    pairwise = [
+        _reference_scores(dirs["deberta-rr"], q, [d])[0] for q, d in zip(queries, docs, strict=True)
+    ]
+    np.testing.assert_allclose(got, pairwise, atol=1e-4)
+    got, _ = _scores(base, path, model="deberta-rr", text_1=QUERY, text_2=TEXTS[1])
+    np.testing.assert_allclose(got, want[1:2], atol=1e-4)
+    body = {"model": "deberta-rr", "text_1": QUERY, "text_2": TEXTS, "use_activation": False}
+    got, _ = _scores(base, path, **body)
+    np.testing.assert_allclose(got, np.log(want / (1 - want)), atol=1e-3)
+
+
+def test_vllm_score_cuts_only_when_asked(base: str, dirs: dict[str, Path]) -> None:
+    """A pair over the model's 64 tokens is vLLM's 400 unless `truncate_prompt_tokens`
+    asks for a cut, longest first as `tokenizers` cuts (-1: to the model's limit); a count
+    over the limit, mismatched sides, or a side without its partner are 400s naming the
+    field."""
+    long = " ".join(f"w{4 + i % 290}" for i in range(100))
+    body = {"model": "deberta-rr", "queries": QUERY, "documents": [long, TEXTS[0]]}
+    r = httpx.post(f"{base}/score", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "documents" and "truncate_prompt_tokens" in r.text
+    for k, limit in [(-1, 64), (40, 40)]:
+        got, _ = _scores(base, **body, truncate_prompt_tokens=k)
+        want = _reference_scores(dirs["deberta-rr"], QUERY, [long, TEXTS[0]], max_length=limit)
+        np.testing.assert_allclose(got, want, atol=1e-4)
+    for extra, param in [
+        ({"truncate_prompt_tokens": 65}, "truncate_prompt_tokens"),
+        ({"queries": [QUERY, QUERY, QUERY]}, "documents"),
+        ({"documents": None}, "documents"),
+        ({"documents": None, "queries": None, "text_1": "x"}, "text_2"),
+        ({"documents": None, "queries": None}, "queries"),
+        ({"items": TEXTS[:2]}, "items"),
+    ]:
+        r = httpx.post(f"{base}/score", json={**body, **extra}, timeout=60)
+        assert r.status_code == 400, (extra, r.text)
+        assert r.json()["error"]["param"] == param, (extra, r.json())
+
+
+def test_vllm_score_on_a_chat_template_reranker_and_an_embedder(
+    base: str, dirs: dict[str, Path]
+) -> None:
+    """/score on Qwen3-Reranker reads each pair through its chat template, as
+    `CrossEncoder.predict`; on an embedder a pair's score is the cosine of the two texts'
+    sentence-transformers vectors (each with the model's default prompt, as `encode`)."""
+    from sentence_transformers import CrossEncoder
+
+    got, _ = _scores(base, model="qwen3-rr", queries=QUESTION, documents=PASSAGES)
+    reference = CrossEncoder(str(dirs["qwen3-rr"]), device="cpu")
+    want = reference.predict([(QUESTION, p) for p in PASSAGES])
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    assert np.ptp(want) > 1e-3
+    queries = [QUESTION, PASSAGES[2]]
+    got, _ = _scores(base, model="gemma3-embed", queries=queries, documents=PASSAGES[:2])
+    q, d = _st_embed(dirs["gemma3-embed"], queries), _st_embed(dirs["gemma3-embed"], PASSAGES[:2])
+    np.testing.assert_allclose(got, (q * d).sum(1), atol=1e-4)  # the vectors are normalized
+    got, _ = _scores(base, model="gemma3-embed", queries=QUESTION, documents=PASSAGES)
+    np.testing.assert_allclose(got, _st_embed(dirs["gemma3-embed"], PASSAGES) @ q[0], atol=1e-4)
 
 
 def test_cohere_client_on_a_deberta_reranker(base: str, dirs: dict[str, Path]) -> None:
@@ -691,8 +798,9 @@ def test_embeddinggemma_equals_sentence_transformers(base: str, dirs: dict[str, 
     queries = _embed(base, "gemma3-embed", input=[QUESTION], input_type="query")
     want = _st_embed(path, [QUESTION], prompt_name="query")
     np.testing.assert_allclose(queries, want, atol=1e-4)
-    plain = _embed(base, "gemma3-embed", input=[QUESTION])
-    assert float((plain * want).sum()) < 0.9999  # the prompt did change the input
+    plain = _embed(base, "gemma3-embed", input=[QUESTION])  # the default prompt
+    np.testing.assert_allclose(plain, _st_embed(path, [QUESTION]), atol=1e-4)
+    assert float((plain * want).sum()) < 0.9999  # the prompts did change the input
     # Matryoshka: the first 16 of the projected 64 dimensions, renormalized
     cut = _embed(base, "gemma3-embed", input=[QUESTION], input_type="query", dimensions=16)
     np.testing.assert_allclose(cut[0], want[0, :16] / np.linalg.norm(want[0, :16]), atol=1e-4)
@@ -702,6 +810,48 @@ def test_embeddinggemma_equals_sentence_transformers(base: str, dirs: dict[str, 
         timeout=60,
     )
     assert r.status_code == 400 and "at most 64" in r.json()["error"]["message"], r.text
+
+
+def test_tei_prompt_name_picks_any_prompt_of_the_model(base: str, dirs: dict[str, Path]) -> None:
+    """TEI's `prompt_name` selects any prompt of config_sentence_transformers.json (once
+    only `query` and `document`: EmbeddingGemma's `STS` was a 400), on /embed, /similarity
+    and /tokenize; with none, the model's `default_prompt_name` applies, as in
+    `SentenceTransformer.encode`. A name the model lacks, or any name on a model without
+    prompts, is TEI's 400 naming `prompt_name`."""
+    path = dirs["gemma3-embed"]
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    for name in ("STS", "query", None):
+        body = {"model": "gemma3-embed", "inputs": [QUESTION, PASSAGES[0]], "prompt_name": name}
+        r = httpx.post(f"{base}/embed", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        want = _st_embed(path, [QUESTION, PASSAGES[0]], prompt_name=name)
+        np.testing.assert_allclose(np.array(r.json()), want, atol=1e-4)
+        r = httpx.post(
+            f"{base}/similarity",
+            json={
+                "model": "gemma3-embed",
+                "inputs": {"source_sentence": QUESTION, "sentences": [PASSAGES[0]]},
+                "parameters": {"prompt_name": name},
+            },
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()[0] == pytest.approx(float(want[0] @ want[1]), abs=1e-4)
+        r = httpx.post(
+            f"{base}/tokenize",
+            json={"model": "gemma3-embed", "inputs": QUESTION, "prompt_name": name},
+        )
+        prompt = GEMMA_PROMPTS[name or "Clustering"]
+        assert [t["id"] for t in r.json()[0]] == tok.encode(prompt + QUESTION).ids
+    for model, name, says in [
+        ("gemma3-embed", "Retrieval-query", "STS"),
+        ("mpnet", "query", "has no prompts"),
+    ]:
+        body = {"model": model, "inputs": QUESTION, "prompt_name": name}
+        r = httpx.post(f"{base}/embed", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "prompt_name" and says in error["message"], error
 
 
 def test_an_instruction_takes_the_models_prompt_format(base: str, dirs: dict[str, Path]) -> None:

@@ -162,6 +162,10 @@ def test_openai_client(base: str, name: str, oracle) -> None:  # noqa: ANN001
         got = np.array([d.embedding for d in response.data], dtype=np.float32)
         assert cosines(got, want).min() >= COSINE
         assert response.usage.prompt_tokens == sum(len(i) for i in oracle.ids(TEXTS))
+    # TEI and Infinity serve the same at /embeddings: a base URL without /v1 works too
+    bare = OpenAI(base_url=base, api_key="unused", max_retries=0)
+    got = np.array([d.embedding for d in bare.embeddings.create(model=name, input=TEXTS).data])
+    assert cosines(got, want).min() >= COSINE
     single = client.embeddings.create(model=name, input=TEXTS[0])
     assert cosines(np.array([single.data[0].embedding]), want[:1]).min() >= COSINE
     from openai import NotFoundError
@@ -533,6 +537,8 @@ def test_killing_a_replica_under_load_loses_no_request(
     with httpx.Client(base_url=base, timeout=60) as client:
         ready = client.get("/health/ready").json()
         assert ready["healthy_replicas"][name] >= 1
+        health = client.get("/health")  # TEI's, vLLM's and Infinity's probe path
+        assert health.status_code == 200 and health.json()["status"] == "ready"
         assert (
             client.post("/v1/embeddings", json={"model": name, "input": "after"}).status_code == 200
         )

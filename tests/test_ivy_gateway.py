@@ -328,6 +328,24 @@ def test_input_type_applies_prompts(client: httpx.Client, oracle_tok: Tokenizer)
         np.testing.assert_allclose(got, expected(oracle_tok, [prompt + "w1 w2"])[0], atol=1e-6)
 
 
+def test_a_default_prompt_name_must_name_a_prompt(model_dir: Path, tmp_path: Path) -> None:
+    """sentence-transformers refuses a `default_prompt_name` that is not one of the
+    prompts; Ivy refuses to serve the directory rather than embed without it."""
+    from ivy.models import read_model_spec
+
+    (tmp_path / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"query": "q: "}, "default_prompt_name": "passage"})
+    )
+    with pytest.raises(ValueError, match="default_prompt_name 'passage'"):
+        read_model_spec(tmp_path, 10)
+    (tmp_path / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": {"query": "q: "}, "default_prompt_name": "query"})
+    )
+    spec = read_model_spec(tmp_path, 10)
+    assert (spec.prompts, spec.default_prompt) == ((("query", "q: "),), "q: ")
+    assert read_model_spec(model_dir, 10).default_prompt == ""
+
+
 def test_dimensions_truncate_and_renormalize(client: httpx.Client, oracle_tok: Tokenizer) -> None:
     r = client.post("/v1/embeddings", json={"input": "w3 w4", "model": "fake", "dimensions": 3})
     assert r.status_code == 200, r.text
