@@ -784,13 +784,7 @@ class Gateway:
         model = self.reranker(req.model)
         name, spec = model.name, model.spec
         limit = spec.max_input_tokens
-        k = req.truncate_prompt_tokens
-        if k is not None and k > limit:
-            raise ValidationError(
-                f"truncate_prompt_tokens ({k}) is over the model's limit of {limit} tokens.",
-                param="truncate_prompt_tokens",
-            )
-        max_length = None if k is None else limit if k == -1 else k
+        max_length = _truncation(limit, req.truncate_prompt_tokens)
         left = req.truncation_side == "left"
         self._check_chars(a + b, b_name)
         t0 = time.perf_counter()
@@ -902,6 +896,10 @@ class Gateway:
         left = req.truncation_direction.lower() == "left"
         self.check_count(len(docs), param, "documents")
         spec = model.spec
+        # vLLM's truncate_prompt_tokens: pairs cut to that many tokens
+        room = _truncation(spec.max_input_tokens, req.truncate_prompt_tokens)
+        cut = cut or room is not None
+        room = room or spec.max_input_tokens
         # Everything about the request is checked before it is admitted: an embedder's
         # over-long query is a 400 however busy the replicas are.
         if spec.kind == CROSS_ENCODER:
@@ -929,7 +927,7 @@ class Gateway:
                             req.instruction,
                             docs,
                             per_doc,
-                            spec.max_input_tokens if cut else None,
+                            room if cut else None,
                         )
                     first = lengths.astype(np.uint32)  # one segment: the rendered prompt
                 else:
@@ -943,7 +941,7 @@ class Gateway:
                             model.tokenizer.encode_pairs_packed,
                             query,
                             docs,
-                            spec.max_input_tokens if cut else None,
+                            room if cut else None,
                             per_doc,
                             left,
                         )
@@ -958,21 +956,21 @@ class Gateway:
                     first,
                     deadline=deadline,
                     claim=claim,
-                    activation=False if req.raw_scores else None,
+                    activation=False if req.raw_scores or req.use_activation is False else None,
                 )
                 timings.inference_s = time.perf_counter() - t1
                 scores = raw[:, 0] if raw.ndim == 2 else raw
                 tokens = int(ids.size)
             else:
                 docs_in = [spec.document_prompt + d for d in docs]
-                max_length = None
+                max_length = room
                 if per_doc is not None:
                     # max_tokens_per_doc counts the document's own tokens, not prompt and
                     # specials.
                     _, overhead = model.tokenizer.encode_batch_packed(
                         [spec.document_prompt], True, None
                     )
-                    max_length = per_doc + int(overhead[0])
+                    max_length = min(per_doc + int(overhead[0]), room)
                 with tracing.span("tokenize", inputs=len(docs)):
                     d_ids, d_len = await self._tokenize(
                         model,
@@ -1107,6 +1105,18 @@ def _prompted(
         return inputs, ""
     rows = [inputs] if isinstance(inputs[0], int) else inputs
     return model.decode(rows, True, param=field), prompt  # type: ignore[arg-type]
+
+
+def _truncation(limit: int, tokens: int | None) -> int | None:
+    """The cut vLLM's `truncate_prompt_tokens` asks for: None (no cut), -1 (the model's
+    `limit`) or that many tokens, at most the limit."""
+    if tokens is not None and (tokens > limit or tokens == 0):
+        raise ValidationError(
+            f"truncate_prompt_tokens must be -1 or 1 to the model's limit of {limit} "
+            f"tokens, got {tokens}.",
+            param="truncate_prompt_tokens",
+        )
+    return None if tokens is None else limit if tokens == -1 else tokens
 
 
 def _pair_template(

@@ -72,6 +72,8 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 PositiveUInt32 = Annotated[int, Field(ge=1, le=UINT32_MAX)]
 InputType = Literal["search_query", "search_document", "query", "document", "passage", "none"]
 Direction = Literal["left", "right", "Left", "Right"]
+# vLLM's truncate_prompt_tokens: -1 (the model's limit) or a count of tokens
+TruncateTokens = Annotated[int, Field(ge=-1, le=UINT32_MAX)]
 # Text, texts, token ids or lists of token ids (OpenAI's and TEI's input forms).
 EmbedInput = (
     NonEmptyStr
@@ -360,6 +362,12 @@ class RerankRequest(_Strict):
         "Cohere's shape always fits documents (`max_tokens_per_doc`).",
     )
     truncation_direction: Direction = "Right"
+    truncate_prompt_tokens: TruncateTokens | None = Field(
+        default=None, description="vLLM: cut each pair to this many tokens (-1: the limit)."
+    )
+    use_activation: bool | None = Field(
+        default=None, description="vLLM: false gives a cross-encoder's logits (TEI: raw_scores)."
+    )
     instruction: NonEmptyStr | None = Field(
         default=None,
         description="Trellis extension, sentence-transformers' `prompt`: the system message "
@@ -386,7 +394,7 @@ class ScoreRequest(_Strict):
     data_2: ScoreTexts | None = None
     text_1: ScoreTexts | None = None
     text_2: ScoreTexts | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=UINT32_MAX)] | None = Field(
+    truncate_prompt_tokens: TruncateTokens | None = Field(
         default=None,
         description="Cut each pair to this many tokens, longest first (-1: the model's "
         "limit); default: a pair over the limit is a 400.",

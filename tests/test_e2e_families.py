@@ -586,6 +586,26 @@ def test_vllm_score_cuts_only_when_asked(base: str, dirs: dict[str, Path]) -> No
         assert r.json()["error"]["param"] == param, (extra, r.json())
 
 
+def test_rerank_reads_vllms_truncation_and_activation(base: str, dirs: dict[str, Path]) -> None:
+    """vLLM's /rerank fields on Jina's shape: `truncate_prompt_tokens` cuts each pair to
+    that many tokens, longest first, and `use_activation: false` gives the logits (both
+    were once ignored: sigmoids of pairs cut to the model's limit)."""
+    long = " ".join(f"w{4 + i % 290}" for i in range(100))
+    docs = [long, TEXTS[1]]
+    body: dict[str, Any] = {"model": "deberta-rr", "query": QUERY, "documents": docs}
+    want = _reference_scores(dirs["deberta-rr"], QUERY, docs, max_length=24)
+    for extra, expect in [
+        ({"truncate_prompt_tokens": 24}, want),
+        ({"truncate_prompt_tokens": 24, "use_activation": False}, np.log(want / (1 - want))),
+    ]:
+        r = httpx.post(f"{base}/rerank", json={**body, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        got = sorted(r.json()["results"], key=lambda x: x["index"])
+        np.testing.assert_allclose([x["relevance_score"] for x in got], expect, atol=1e-3)
+    full = _reference_scores(dirs["deberta-rr"], QUERY, docs, max_length=64)
+    assert np.abs(full - want).max() > 1e-3  # the cut did change the scores
+
+
 def test_vllm_score_on_a_chat_template_reranker_and_an_embedder(
     base: str, dirs: dict[str, Path]
 ) -> None:
