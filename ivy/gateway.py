@@ -299,6 +299,7 @@ class Gateway:
         *,
         prompt: str = "",
         truncate: bool | None = None,
+        max_length: int | None = None,
         left: bool = False,
         dimensions: int | None = None,
         normalize: bool | None = None,
@@ -306,14 +307,16 @@ class Gateway:
     ) -> tuple[np.ndarray, int]:
         """The one embedding path of every route: [inputs, dims] float32 vectors and the
         token count. `inputs` are texts (`prompt` goes before each), token ids (one input)
-        or lists of them; `truncate` None takes the server's default (`--auto-truncate`);
-        errors name the route's `fields`."""
+        or lists of them; `truncate` None takes the server's default (`--auto-truncate`),
+        cutting to the model's limit or `max_length` tokens, if fewer; errors name the
+        route's `fields`."""
         out, tokens = await self.embed_outputs(
             model,
             inputs,
             timings,
             prompt=prompt,
             truncate=truncate,
+            max_length=max_length,
             left=left,
             dimensions=dimensions,
             normalize=normalize,
@@ -331,6 +334,7 @@ class Gateway:
         outputs: tuple[str, ...] = (),
         prompt: str = "",
         truncate: bool | None = None,
+        max_length: int | None = None,
         left: bool = False,
         dimensions: int | None = None,
         normalize: bool | None = None,
@@ -359,15 +363,15 @@ class Gateway:
                         model,
                         texts,  # type: ignore[arg-type]
                         truncate=cut,
+                        max_length=max_length,
                         left=left,
                         param=fields.input,
                         fix=fields.truncate,
                     )
                 else:
                     rows: list[list[int]] = [inputs] if one_row_of_ids else inputs  # type: ignore[assignment,list-item]
-                    ids, lengths = _pack_ids(
-                        rows, spec.vocab_size, spec.max_input_tokens, cut, left, fields
-                    )
+                    limit = min(spec.max_input_tokens, max_length or spec.max_input_tokens)
+                    ids, lengths = _pack_ids(rows, spec.vocab_size, limit, cut, left, fields)
             timings.tokenize_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             if outputs:
@@ -411,16 +415,23 @@ class Gateway:
         else:
             prompt = model.prompt_for(req.input_type)
         inputs, prompt = _prompted(model, inputs, prompt, "input")
+        # vLLM's truncate_prompt_tokens: cut to that many tokens
+        max_length = _truncation(model.spec.max_input_tokens, req.truncate_prompt_tokens)
+        truncate = True if max_length is not None else req.truncate
         if req.output == "sparse":
-            return await self._sparse_embeddings(req, model, inputs, prompt, timings)
+            return await self._sparse_embeddings(
+                req, model, inputs, prompt, truncate, max_length, timings
+            )
         vectors, tokens = await self.embed(
             model,
             inputs,
             timings,
             prompt=prompt,
-            truncate=req.truncate,
+            truncate=truncate,
+            max_length=max_length,
             left=req.truncation_direction.lower() == "left",
             dimensions=req.dimensions,
+            normalize=False if req.use_activation is False else None,
         )
         return EmbeddingResponse(
             _embedding_data(vectors, req.encoding_format), req.model, Usage(tokens, tokens)
@@ -432,6 +443,8 @@ class Gateway:
         model: ServedModel,
         inputs: Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         prompt: str,
+        truncate: bool | None,
+        max_length: int | None,
         timings: Timings,
     ) -> EmbeddingResponse:
         """/v1/embeddings with ``output: sparse``: `{indices, values}` per item."""
@@ -457,7 +470,8 @@ class Gateway:
             timings,
             outputs=("sparse",),
             prompt=prompt,
-            truncate=req.truncate,
+            truncate=truncate,
+            max_length=max_length,
             left=req.truncation_direction.lower() == "left",
         )
         assert out.sparse is not None

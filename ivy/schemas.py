@@ -118,6 +118,14 @@ class EmbeddingRequest(_Strict):
         description="Trellis extension: cut from the end (right) or the start (left); "
         "special tokens stay.",
     )
+    truncate_prompt_tokens: TruncateTokens | None = Field(
+        default=None,
+        description="vLLM: cut each input to this many tokens, special tokens included "
+        "(-1: the model's limit).",
+    )
+    use_activation: bool | None = Field(
+        default=None, description="vLLM: false gives vectors without the model's normalization."
+    )
     instruction: NonEmptyStr | None = Field(
         default=None,
         description="Trellis extension: a task for instruction-following embedders, put in "

@@ -544,6 +544,34 @@ def test_killing_a_replica_under_load_loses_no_request(
         )
 
 
+def test_vllms_truncation_and_activation_fields(base: str, name: str, model_dir: Path) -> None:
+    """vLLM's /v1/embeddings fields: `truncate_prompt_tokens` cuts each input to that many
+    tokens, special tokens included, as sentence-transformers cuts at `max_seq_length`;
+    `use_activation: false` gives the vectors before the model's Normalize. Both were once
+    ignored (inputs cut at the model's limit, vectors normalized)."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(model_dir), device="cpu")
+    st.max_seq_length = 16
+    texts = [" ".join(TEXTS), TEXTS[1]]
+    want = st.encode(texts)
+    tokens = [min(len(ids), 16) for ids in st.tokenizer(texts)["input_ids"]]
+    assert tokens[0] == 16 and tokens[1] < 16
+    with httpx.Client(base_url=base, timeout=60) as client:
+        body = {"model": name, "input": texts, "truncate_prompt_tokens": 16}
+        r = client.post("/v1/embeddings", json=body)
+        assert r.status_code == 200, r.text
+        assert cosines(decode(r.json()["data"], "float"), want).min() >= COSINE
+        assert r.json()["usage"]["prompt_tokens"] == sum(tokens)
+        r = client.post("/v1/embeddings", json={**body, "use_activation": False})
+        assert r.status_code == 200, r.text
+        raw = decode(r.json()["data"], "float")
+        assert np.abs(np.linalg.norm(raw, axis=1) - 1.0).min() > 1e-2
+        assert cosines(raw, want).min() >= COSINE
+        r = client.post("/v1/embeddings", json={**body, "truncate_prompt_tokens": 513})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_int8_embeddings_keep_the_float_direction_on_real_texts(base: str, name: str) -> None:
     body = {"model": name, "input": TEXTS}
     floats = decode(
