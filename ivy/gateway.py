@@ -234,7 +234,7 @@ class Gateway:
         else:
             ids, lengths = self._encode(model, texts, to, left)
         if not truncate:
-            _check_lengths(lengths, limit, param, fix)
+            _check_lengths(lengths, cut, param, fix, "this model's limit" if cut == limit else "")
         return ids, lengths
 
     def _encode(
@@ -663,7 +663,7 @@ class Gateway:
 
     async def cohere_embed(self, req: CohereEmbedRequest, timings: Timings) -> CohereEmbedResponse:
         """Cohere's /v2/embed: the requested embedding types of each text."""
-        for param in ("images", "inputs", "max_tokens"):
+        for param in ("images", "inputs"):
             if getattr(req, param) is not None:
                 raise ValidationError(
                     f"'{param}' is not supported: send `texts` (cut by `truncate`).", param=param
@@ -675,6 +675,7 @@ class Gateway:
             timings,
             prompt=model.prompt_for(req.input_type),
             truncate=req.truncate != "NONE",
+            max_length=req.max_tokens,
             left=req.truncate == "START",
             dimensions=req.output_dimension,
             fields=COHERE_FIELDS,
@@ -1294,15 +1295,20 @@ def _cut_left(
 
 
 def _check_lengths(
-    lengths: np.ndarray, limit: int, param: str, fix: str = OPENAI_FIELDS.truncate
+    lengths: np.ndarray,
+    limit: int,
+    param: str,
+    fix: str = OPENAI_FIELDS.truncate,
+    what: str = "this model's limit",
 ) -> None:
-    """Refuse an input over ``limit`` tokens (``fix``: how the route asks to cut it) or an
-    empty one, naming the request field ``param``."""
+    """Refuse an input over ``limit`` tokens (``what`` the limit is, "" for the request's
+    own; ``fix``: how the route asks to cut it) or an empty one, naming the request field
+    ``param``."""
     if lengths.size and int(lengths.max()) > limit:
         index = int(np.argmax(lengths > limit))
+        over = f"over {what} of {limit}" if what else f"over the {limit} asked for"
         raise ValidationError(
-            f"Input {index} has {int(lengths[index])} tokens, over this model's limit of "
-            f"{limit}; shorten it or {fix}.",
+            f"Input {index} has {int(lengths[index])} tokens, {over}; shorten it or {fix}.",
             param=param,
             code="context_length_exceeded",
         )

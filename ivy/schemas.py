@@ -336,7 +336,9 @@ class CohereEmbedRequest(_Strict):
     truncate: Literal["NONE", "START", "END"] = "END"
     output_dimension: PositiveUInt32 | None = None
     max_tokens: PositiveUInt32 | None = Field(
-        default=None, description="Not supported: null or absent."
+        default=None,
+        description="Tokens embedded per text, at most (cut as `truncate` says; NONE: a 400 "
+        "for a longer text).",
     )
     images: list[Any] | None = Field(default=None, description="Not supported: texts only.")
     inputs: list[Any] | None = Field(default=None, description="Not supported: texts only.")

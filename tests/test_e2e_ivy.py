@@ -572,6 +572,27 @@ def test_vllms_truncation_and_activation_fields(base: str, name: str, model_dir:
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_cohere_max_tokens_cuts_each_text(base: str, name: str, model_dir: Path) -> None:
+    """Cohere's v2 `max_tokens` (once a 400, "not supported"): each text, prompt included,
+    cut to that many tokens as sentence-transformers cuts at `max_seq_length`; with
+    `truncate: NONE` a longer text is a 400 naming the count asked for."""
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(model_dir), device="cpu")
+    st.max_seq_length = 16
+    texts = [" ".join(TEXTS), TEXTS[1]]
+    want = st.encode(texts, prompt="query: ")
+    body = {"model": name, "texts": texts, "input_type": "search_query", "max_tokens": 16}
+    with httpx.Client(base_url=base, timeout=60) as client:
+        r = client.post("/v2/embed", json=body)
+        assert r.status_code == 200, r.text
+        got = np.array(r.json()["embeddings"]["float"], dtype=np.float32)
+        assert cosines(got, want).min() >= COSINE
+        r = client.post("/v2/embed", json={**body, "truncate": "NONE"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "texts", r.text
+        assert "over the 16 asked for" in r.json()["error"]["message"]
+
+
 def test_int8_embeddings_keep_the_float_direction_on_real_texts(base: str, name: str) -> None:
     body = {"model": name, "input": TEXTS}
     floats = decode(
