@@ -428,6 +428,8 @@ class GenerationService:
             top_p=top_p,
             top_k=req.top_k or 0,
             stop=stop,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
         )
         if req.seed is not None:
             sampling.seed = req.seed % 2**64
@@ -605,8 +607,6 @@ def unsupported_field(req: ChatCompletionRequest | CompletionRequest) -> str | N
     """The first field the request sets to a value Ivy cannot honour (its answer would
     differ from what the client asked for), or None."""
     noop: dict[str, Callable[[Any], bool]] = {
-        "presence_penalty": lambda v: v == 0,
-        "frequency_penalty": lambda v: v == 0,
         "logit_bias": lambda v: not v,
     }
     if isinstance(req, ChatCompletionRequest):

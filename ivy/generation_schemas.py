@@ -68,6 +68,8 @@ MAX_COMPLETION_LOGPROBS = 5
 # Fields Ivy does not implement whose use would change the answer: accepted at their no-op
 # values only, else refused with 400 naming the field (never silently ignored; see
 # `ivy.generation.unsupported_field`). Unknown fields that change nothing stay ignored.
+# OpenAI's presence_penalty and frequency_penalty range
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 _UNSUPPORTED = "Not supported: only its no-op value (absent, null, 0, empty) is accepted."
 
 
@@ -168,8 +170,14 @@ class _Sampling(_Strict):
         default=None, description=f"Up to 4 strings of at most {MAX_STOP_CHARS} characters."
     )
     n: int | None = Field(default=None, description="Only 1 is supported.")
-    presence_penalty: float | None = Field(default=None, description=_UNSUPPORTED)
-    frequency_penalty: float | None = Field(default=None, description=_UNSUPPORTED)
+    presence_penalty: Penalty | None = Field(
+        default=None,
+        description="Lower a token's logit by this once it appears in the output (OpenAI's).",
+    )
+    frequency_penalty: Penalty | None = Field(
+        default=None,
+        description="Lower a token's logit by this times its count in the output (OpenAI's).",
+    )
     logit_bias: dict[str, Any] | None = Field(default=None, description=_UNSUPPORTED)
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -24,11 +24,13 @@ from rose.grammar import JsonFormat
 
 __all__ = [
     "GREEDY_TEMPERATURE",
+    "MAX_PENALTY",
     "MAX_TOP_LOGPROBS",
     "FinishReason",
     "SamplingParams",
     "StopChecker",
     "TokenLogprob",
+    "penalize",
     "sample",
     "token_logprobs",
     "token_probs",
@@ -37,6 +39,7 @@ __all__ = [
 FinishReason = str  # "stop" (EOS / stop string / stop token) or "length" (max_tokens)
 
 MAX_TOP_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2], as OpenAI's
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily (`SamplingParams.greedy`)
 
 
@@ -56,6 +59,9 @@ class SamplingParams:
     format (`rose.grammar`; None: free text); it ends at the grammar's end (an EOS id).
     logprobs: report each generated token's log probability with this many most likely
     alternatives (0..MAX_TOP_LOGPROBS; `token_logprobs`); None: none are computed.
+    presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: a token's logit is lowered
+    by ``frequency_penalty * c + presence_penalty * (c > 0)``, c its count among the tokens
+    generated so far (`penalize`), before temperature, top-k and top-p.
     """
 
     max_tokens: int = 256
@@ -68,6 +74,8 @@ class SamplingParams:
     ignore_eos: bool = False
     response_format: JsonFormat | None = None
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -87,6 +95,17 @@ class SamplingParams:
                 f"sampling.logprobs must be in 0..{MAX_TOP_LOGPROBS} or None, got {self.logprobs}"
             )
 
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:  # NaN fails too
+                raise ValueError(
+                    f"sampling.{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], "
+                    f"got {getattr(self, name)}"
+                )
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
@@ -98,6 +117,27 @@ class SamplingParams:
         else:
             g.manual_seed(self.seed)
         return g
+
+
+def penalize(
+    logits: torch.Tensor, generated: Sequence[int], drafts: Sequence[int], params: SamplingParams
+) -> None:
+    """Apply the request's presence and frequency penalties, in place, to the logits
+    ``[n, V]`` of its ``n = len(drafts) + 1`` verified rows: row j follows the tokens
+    `generated` so far and ``drafts[:j]``, so each row is penalized as plain decoding
+    would penalize that position."""
+    n, vocab = logits.shape
+    counts = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device)
+    if generated:
+        seen = torch.tensor(generated, dtype=torch.int64, device=logits.device)
+        counts += torch.bincount(seen, minlength=vocab)[:vocab].float()
+    if n > 1:  # row j also counts drafts 0..j-1
+        d = torch.tensor(drafts[: n - 1], dtype=torch.int64, device=logits.device)
+        steps = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device)
+        steps[torch.arange(1, n, device=logits.device), d] = 1.0
+        counts += steps.cumsum(0)
+    penalty = counts * params.frequency_penalty + (counts > 0).float() * params.presence_penalty
+    logits.sub_(penalty.to(logits.dtype))
 
 
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

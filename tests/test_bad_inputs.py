@@ -445,8 +445,19 @@ def chat() -> list[Case]:
             with_(p, response_format={"type": "xml"}),
             param="response_format",
         ),
-        post("presence-penalty", p, with_(p, presence_penalty=0.5), param="presence_penalty"),
-        post("frequency-penalty", p, with_(p, frequency_penalty=1), param="frequency_penalty"),
+        post("presence-penalty-3", p, with_(p, presence_penalty=3), param="presence_penalty"),
+        post(
+            "frequency-penalty-under",
+            p,
+            with_(p, frequency_penalty=-2.01),
+            param="frequency_penalty",
+        ),
+        post(
+            "frequency-penalty-string",
+            p,
+            with_(p, frequency_penalty="1"),
+            param="frequency_penalty",
+        ),
         post("logit-bias", p, with_(p, logit_bias={"50": 100}), param="logit_bias"),
         post("embedding-model", p, with_(p, model=E5), param="model"),
         Case("chat:put", "PUT", p, 405, with_(p), good=p),
@@ -488,7 +499,7 @@ def completions() -> list[Case]:
         post("logprobs-bool", p, with_(p, logprobs=True), param="logprobs"),
         post("suffix", p, with_(p, suffix="x"), param="suffix"),
         post("n-3", p, with_(p, n=3), param="n"),
-        post("presence-penalty", p, with_(p, presence_penalty=-1), param="presence_penalty"),
+        post("presence-penalty-3", p, with_(p, presence_penalty=-3), param="presence_penalty"),
         post("logit-bias", p, with_(p, logit_bias={"1": -100}), param="logit_bias"),
         post(
             "stream-options-without-stream", p, with_(p, stream_options={}), param="stream_options"
@@ -727,8 +738,9 @@ def test_bad_input_gets_4xx_envelope_and_worker_keeps_serving(stack: Stack, case
         {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}},
         {"metadata": {"team": "search"}, "store": False, "service_tier": "auto"},  # harmless
         {"logprobs": True, "top_logprobs": 20},  # served (the most alternatives)
+        {"presence_penalty": 2, "frequency_penalty": -2},  # served (OpenAI's bounds)
     ],
-    ids=["tools-off", "text-format", "no-penalties", "harmless-unknown", "logprobs"],
+    ids=["tools-off", "text-format", "no-penalties", "harmless-unknown", "logprobs", "penalties"],
 )
 def test_no_op_values_and_harmless_unknown_fields_are_accepted(
     stack: Stack, fields: dict[str, Any]

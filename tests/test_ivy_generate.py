@@ -524,6 +524,40 @@ def reference(model_dir: Path) -> Callable[[list[int], list[int]], Any]:
     return logprobs
 
 
+def test_presence_and_frequency_penalties_equal_transformers(
+    base: str, name: str, oracle: Oracle, reference: Callable[[list[int], list[int]], Any]
+) -> None:
+    """OpenAI's presence and frequency penalties (once a 400) through Ivy and Tulip:
+    greedy output equals transformers' greedy loop with OpenAI's formula applied by hand
+    (logit - frequency * count - presence * [count > 0], counts over the output so far)."""
+    import torch
+
+    presence, frequency, budget = 0.8, 0.6, 20
+    prompt = oracle.tokenizer(PROMPTS[1])["input_ids"]  # a list: its commas repeat
+    eos = oracle.tokenizer.eos_token_id
+    out: list[int] = []
+    while len(out) < budget:
+        logits = reference(prompt, [*out, 0])[-1].clone()  # the next token's
+        counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=logits.numel())
+        logits -= frequency * counts.float() + presence * (counts > 0).float()
+        token = int(logits.argmax())
+        if token == eos:
+            break
+        out.append(token)
+    want = oracle.tokenizer.decode(out, skip_special_tokens=True)
+    assert want != oracle.greedy(prompt, budget)[0]  # the penalties change this answer
+    r = openai_client(base).completions.create(
+        model=name,
+        prompt=PROMPTS[1],
+        max_tokens=budget,
+        temperature=0,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+    )
+    assert r.choices[0].text == want
+    assert r.usage.completion_tokens == len(out) + (len(out) < budget)  # EOS counts
+
+
 def _check_alternatives(
     oracle: Oracle, row: Any, got: list[tuple[str, list[int] | None, float]], k: int
 ) -> None:

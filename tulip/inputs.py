@@ -14,6 +14,7 @@ import numpy as np
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.wire import WireError, unpack_token_batch
 from rose.grammar import GrammarError, JsonFormat
+from rose.sampling import MAX_PENALTY
 from tulip.errors import InvalidInput
 
 __all__ = [
@@ -30,9 +31,9 @@ __all__ = [
 ]
 
 MAX_STOP_STRINGS = 16
+"""Most stop strings one Generate request may give."""
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per generated token's logprobs (`rose.sampling.MAX_TOP_LOGPROBS`)."""
-"""Most stop strings one Generate request may give."""
 
 _POOLING = {
     pb.POOLING_DEFAULT: None,
@@ -138,6 +139,8 @@ class GenerateWork:
     ignore_eos: bool
     response_format: JsonFormat | None = None  # None: free text
     logprobs: int | None = None  # alternatives per token's logprobs; None: no logprobs
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def sampling_kwargs(self, max_tokens: int) -> dict[str, object]:
         """Keyword arguments of `rose.sampling.SamplingParams` (``max_tokens`` resolved)."""
@@ -152,6 +155,8 @@ class GenerateWork:
             "ignore_eos": self.ignore_eos,
             "response_format": self.response_format,
             "logprobs": self.logprobs,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
         }
 
 
@@ -213,9 +218,17 @@ def generate_work(request: pb.GenerateRequest, limits: ModelLimits) -> GenerateW
         raise InvalidInput(
             f"sampling.top_logprobs: {logprobs} alternatives, at most {MAX_TOP_LOGPROBS}"
         )
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
+            raise InvalidInput(
+                f"sampling.{name}: must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}"
+            )
     return GenerateWork(
         response_format=_response_format(s),
         logprobs=logprobs,
+        presence_penalty=float(s.presence_penalty),
+        frequency_penalty=float(s.frequency_penalty),
         prompt_ids=ids.tolist(),
         max_tokens=int(max_tokens),
         temperature=float(s.temperature),
