@@ -65,6 +65,8 @@ from ivy.schemas import (
     CohereEmbedResponse,
     ContextualizedEmbeddingRequest,
     ContextualizedEmbeddingResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     EmbeddingRequest,
     EmbeddingResponse,
     Health,
@@ -89,6 +91,7 @@ from ivy.schemas import (
     TeiToken,
     TokenizeRequest,
     TokenizeResponse,
+    VllmTokenizeResponse,
 )
 from ivy.tokenization import TokenizationError
 from protos import tracing
@@ -268,6 +271,9 @@ def route_table(app: IvyApp) -> list[Route]:
     async def tokenize(req: TokenizeRequest) -> Reply:
         return Reply(await gateway().tokenize(req))
 
+    async def detokenize(req: DetokenizeRequest) -> Reply:
+        return Reply(gateway().detokenize(req))
+
     async def models(_: None) -> Reply:
         return Reply(gateway().list_models())
 
@@ -416,8 +422,18 @@ def route_table(app: IvyApp) -> list[Route]:
             "/tokenize",
             tokenize,
             TokenizeRequest,
-            TokenizeResponse | list[list[TeiToken]],
-            "Token ids and character offsets (Trellis; TEI's shape with `inputs`)",
+            TokenizeResponse | list[list[TeiToken]] | VllmTokenizeResponse,
+            "Token ids and character offsets (Trellis; TEI's shape with `inputs`, vLLM's "
+            "with `prompt`)",
+            errors=(400, 401, 404, 413),
+        ),
+        Route(
+            "POST",
+            "/detokenize",
+            detokenize,
+            DetokenizeRequest,
+            DetokenizeResponse,
+            "Token ids back to text (vLLM)",
             errors=(400, 401, 404, 413),
         ),
         *generation_routes(service),

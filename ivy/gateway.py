@@ -31,6 +31,8 @@ from ivy.schemas import (
     ContextualizedData,
     ContextualizedEmbeddingRequest,
     ContextualizedEmbeddingResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -63,6 +65,7 @@ from ivy.schemas import (
     TokenizeRequest,
     TokenizeResponse,
     Usage,
+    VllmTokenizeResponse,
 )
 from protos import tracing
 
@@ -860,6 +863,11 @@ class Gateway:
         self.check_count(len(rows), "ids")
         return model.decode(rows, req.skip_special_tokens)
 
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """vLLM's /detokenize: the text of one row of ids, special tokens kept."""
+        model = self.model(req.model) if req.model is not None else next(iter(self.models.values()))
+        return DetokenizeResponse(model.decode([req.tokens], False, param="tokens")[0])
+
     def tei_info(self) -> TeiInfo:
         """TEI's /info, of the model /embed serves by default."""
         model = self.embedder(None)
@@ -1038,16 +1046,29 @@ class Gateway:
         usage = Usage(tokens, tokens)
         return RerankResponse(str(uuid.uuid4()), name, results, usage, RERANK_META)
 
-    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse | list[list[TeiToken]]:
-        tei = req.inputs is not None
-        if tei == (req.input is not None):
+    async def tokenize(
+        self, req: TokenizeRequest
+    ) -> TokenizeResponse | list[list[TeiToken]] | VllmTokenizeResponse:
+        tei, vllm = req.inputs is not None, req.prompt is not None
+        if tei + vllm + (req.input is not None) != 1:
             raise ValidationError(
-                "Send `input` (with `model`) or `inputs` (TEI's shape), one of them.",
+                "Send `input` (with `model`), `inputs` (TEI's shape) or `prompt` (vLLM's), "
+                "one of them.",
                 param="input",
             )
-        if not tei and req.model is None:
+        if req.input is not None and req.model is None:
             raise ValidationError("Invalid 'model': Field required.", param="model")
         model = self.model(req.model) if req.model is not None else next(iter(self.models.values()))
+        if vllm:
+            assert req.prompt is not None
+            self._check_chars([req.prompt], "prompt")
+            enc = model.reference_tokenizer.encode(
+                req.prompt, add_special_tokens=req.add_special_tokens
+            )
+            strs = list(enc.tokens) if req.return_token_strs else None
+            return VllmTokenizeResponse(
+                len(enc.ids), model.spec.max_input_tokens, list(enc.ids), strs
+            )
         raw = req.inputs if tei else req.input
         param = "inputs" if tei else "input"
         texts = [raw] if isinstance(raw, str) else list(raw)  # type: ignore[arg-type]

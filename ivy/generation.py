@@ -430,6 +430,7 @@ class GenerationService:
             stop=stop,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=_logit_bias(req.logit_bias, model.spec.vocab_size),
         )
         if req.seed is not None:
             sampling.seed = req.seed % 2**64
@@ -606,9 +607,7 @@ def finish_reason(message: pb.GenerateResponse) -> str | None:
 def unsupported_field(req: ChatCompletionRequest | CompletionRequest) -> str | None:
     """The first field the request sets to a value Ivy cannot honour (its answer would
     differ from what the client asked for), or None."""
-    noop: dict[str, Callable[[Any], bool]] = {
-        "logit_bias": lambda v: not v,
-    }
+    noop: dict[str, Callable[[Any], bool]] = {}
     if isinstance(req, ChatCompletionRequest):
         noop.update(
             tools=lambda v: not v,
@@ -621,6 +620,20 @@ def unsupported_field(req: ChatCompletionRequest | CompletionRequest) -> str | N
         if value is not None and not is_noop(value):
             return name
     return None
+
+
+def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias (token ids as strings) as the wire's map, each id checked."""
+    out: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdecimal() else -1
+        if not 0 <= token < (vocab_size or token + 1):
+            raise ValidationError(
+                f"logit_bias: {key!r} is not a token id of this model (0 to {vocab_size - 1}).",
+                param="logit_bias",
+            )
+        out[token] = value
+    return out
 
 
 def _response_format(fmt: ResponseFormat) -> pb.ResponseFormat:

@@ -70,6 +70,7 @@ MAX_COMPLETION_LOGPROBS = 5
 # `ivy.generation.unsupported_field`). Unknown fields that change nothing stay ignored.
 # OpenAI's presence_penalty and frequency_penalty range
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 _UNSUPPORTED = "Not supported: only its no-op value (absent, null, 0, empty) is accepted."
 
 
@@ -178,7 +179,10 @@ class _Sampling(_Strict):
         default=None,
         description="Lower a token's logit by this times its count in the output (OpenAI's).",
     )
-    logit_bias: dict[str, Any] | None = Field(default=None, description=_UNSUPPORTED)
+    logit_bias: dict[str, LogitBias] | None = Field(
+        default=None,
+        description="Token id (as a string) -> bias added to its logit (OpenAI's).",
+    )
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None

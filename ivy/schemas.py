@@ -525,9 +525,10 @@ class RerankResponse:
 
 
 class TokenizeRequest(_Strict):
-    """Trellis' tokenize request (`model`, `input`: ids and offsets), or TEI's (`inputs`,
-    TEI 1.7.1: a list of {id, text, special, start, stop} per input); the answer follows
-    the shape of the request. Exactly one of `input` and `inputs` is required."""
+    """Trellis' tokenize request (`model`, `input`: ids and offsets), TEI's (`inputs`,
+    TEI 1.7.1: a list of {id, text, special, start, stop} per input) or vLLM's (`prompt`);
+    the answer follows the shape of the request. Exactly one of `input`, `inputs` and
+    `prompt` is required."""
 
     model: str | None = Field(
         default=None, description="Required with `input`; TEI's shape: the first model."
@@ -537,6 +538,14 @@ class TokenizeRequest(_Strict):
     inputs: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     prompt_name: str | None = Field(
         default=None, description="TEI: the model's prompt of that name."
+    )
+    prompt: NonEmptyStr | None = Field(
+        default=None,
+        description="vLLM's shape: one text, answered as {count, max_model_len, tokens, "
+        "token_strs}.",
+    )
+    return_token_strs: bool = Field(
+        default=False, description="vLLM: each token's string in `token_strs`."
     )
 
 
@@ -567,6 +576,27 @@ class TeiToken:
     special: bool
     start: int | None
     stop: int | None
+
+
+@dataclass(slots=True)
+class VllmTokenizeResponse:
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize request: one row of token ids back to text (special tokens
+    kept, as `tokenizer.decode` has it)."""
+
+    model: str | None = Field(default=None, description="Default: the first served model.")
+    tokens: list[TokenId]
+
+
+@dataclass(slots=True)
+class DetokenizeResponse:
+    prompt: str
 
 
 @dataclass(slots=True)

@@ -42,7 +42,7 @@ from rose.sampling import (
     SamplingParams,
     StopChecker,
     TokenLogprob,
-    penalize,
+    adjust_logits,
     token_logprobs,
 )
 from rose.scheduler import CapacityError, Request, Scheduled, Scheduler
@@ -245,8 +245,9 @@ class GenerationEngine:
         # (not with a grammar: its masks are made on the host, before acceptance; nor when a
         # request wants logprobs: they read the verified rows, which stay on the device)
         constrained = any(s.request.grammar is not None for s in batch)
-        # (nor with penalties: they follow each verified row's tokens, on the host too)
-        penalized = any(s.request.params.penalized for s in batch)
+        # (nor with penalties or a logit bias: they follow each verified row's tokens, on
+        # the host too)
+        adjusted = any(s.request.params.adjusts_logits for s in batch)
         scored = [
             i for i, s in enumerate(batch) if s.emits and s.request.params.logprobs is not None
         ]
@@ -254,7 +255,7 @@ class GenerationEngine:
             p
             if isinstance(p, DeviceChainProposer)
             and not constrained
-            and not penalized
+            and not adjusted
             and not scored
             and p.chains_on_device(batch)
             else None
@@ -279,8 +280,8 @@ class GenerationEngine:
             self.stats.draft_s += time.perf_counter() - t1
             outcomes = [(list(range(n)), tok) for n, tok in chain.settle(batch, back)]
         else:
-            if penalized:
-                self._penalize(batch, out)
+            if adjusted:
+                self._adjust(batch, out)
             if constrained:
                 self._mask(batch, out)
             # temperature 0: the target's argmax at every verified row, one sync for all
@@ -361,7 +362,7 @@ class GenerationEngine:
         for (r, _), proposal in zip(todo, self.proposer.propose(todo), strict=True):
             if r.grammar is not None and proposal is not None:
                 proposal = self._constrained(r.grammar, proposal)
-            if r.params.penalized and proposal is not None and proposal.tree is not None:
+            if r.params.adjusts_logits and proposal is not None and proposal.tree is not None:
                 proposal = None  # a tree's rows follow different paths: chains only
             r.proposal = proposal
         self.stats.draft_s += time.perf_counter() - t0
@@ -383,16 +384,16 @@ class GenerationEngine:
         return Proposal(proposal.tokens[:n], q)
 
     @staticmethod
-    def _penalize(batch: list[Scheduled], out: PassOutput) -> None:
-        """Lower, in place, the logits rows of every penalized request that emits by its
-        presence and frequency penalties (`rose.sampling.penalize`), each row after the
-        tokens generated so far and the drafts before it."""
+    def _adjust(batch: list[Scheduled], out: PassOutput) -> None:
+        """Apply, in place, every emitting request's logit bias and penalties
+        (`rose.sampling.adjust_logits`) to its logits rows, each row after the tokens
+        generated so far and the drafts before it."""
         for i, s in enumerate(batch):
             r = s.request
-            if r.params.penalized and s.emits:
+            if r.params.adjusts_logits and s.emits:
                 row = out.rows[i]
                 rows = out.logits[row : row + len(s.drafts) + 1]
-                penalize(rows, r.output_ids, s.drafts, r.params)
+                adjust_logits(rows, r.output_ids, s.drafts, r.params)
 
     @staticmethod
     def _mask(batch: list[Scheduled], out: PassOutput) -> None:

@@ -24,13 +24,14 @@ from rose.grammar import JsonFormat
 
 __all__ = [
     "GREEDY_TEMPERATURE",
+    "MAX_LOGIT_BIAS",
     "MAX_PENALTY",
     "MAX_TOP_LOGPROBS",
     "FinishReason",
     "SamplingParams",
     "StopChecker",
     "TokenLogprob",
-    "penalize",
+    "adjust_logits",
     "sample",
     "token_logprobs",
     "token_probs",
@@ -40,6 +41,7 @@ FinishReason = str  # "stop" (EOS / stop string / stop token) or "length" (max_t
 
 MAX_TOP_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs limit)
 MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2], as OpenAI's
+MAX_LOGIT_BIAS = 100.0  # a logit_bias entry lies in [-100, 100], as OpenAI's
 GREEDY_TEMPERATURE = 1e-5  # temperatures below it sample greedily (`SamplingParams.greedy`)
 
 
@@ -61,7 +63,9 @@ class SamplingParams:
     alternatives (0..MAX_TOP_LOGPROBS; `token_logprobs`); None: none are computed.
     presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: a token's logit is lowered
     by ``frequency_penalty * c + presence_penalty * (c > 0)``, c its count among the tokens
-    generated so far (`penalize`), before temperature, top-k and top-p.
+    generated so far. logit_bias: (token id, bias in [-100, 100]) pairs added to those
+    tokens' logits (OpenAI's). Both apply before temperature, top-k and top-p
+    (`adjust_logits`).
     """
 
     max_tokens: int = 256
@@ -76,6 +80,7 @@ class SamplingParams:
     logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -102,9 +107,17 @@ class SamplingParams:
                     f"got {getattr(self, name)}"
                 )
 
+        for token, bias in self.logit_bias:
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"sampling.logit_bias: token {token} with bias {bias} (ids >= 0, biases "
+                    f"in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}])"
+                )
+
     @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty)
+    def adjusts_logits(self) -> bool:
+        """Whether `adjust_logits` changes anything for this request."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -119,14 +132,20 @@ class SamplingParams:
         return g
 
 
-def penalize(
+def adjust_logits(
     logits: torch.Tensor, generated: Sequence[int], drafts: Sequence[int], params: SamplingParams
 ) -> None:
-    """Apply the request's presence and frequency penalties, in place, to the logits
-    ``[n, V]`` of its ``n = len(drafts) + 1`` verified rows: row j follows the tokens
-    `generated` so far and ``drafts[:j]``, so each row is penalized as plain decoding
-    would penalize that position."""
+    """Apply the request's logit bias and its presence and frequency penalties, in place,
+    to the logits ``[n, V]`` of its ``n = len(drafts) + 1`` verified rows: row j follows
+    the tokens `generated` so far and ``drafts[:j]``, so each row is penalized as plain
+    decoding would penalize that position."""
     n, vocab = logits.shape
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=logits.device)
+        bias = torch.tensor([b for _, b in params.logit_bias], device=logits.device)
+        logits[:, ids] += bias.to(logits.dtype)
+    if not (params.presence_penalty or params.frequency_penalty):
+        return
     counts = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device)
     if generated:
         seen = torch.tensor(generated, dtype=torch.int64, device=logits.device)

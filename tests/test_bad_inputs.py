@@ -458,7 +458,9 @@ def chat() -> list[Case]:
             with_(p, frequency_penalty="1"),
             param="frequency_penalty",
         ),
-        post("logit-bias", p, with_(p, logit_bias={"50": 100}), param="logit_bias"),
+        post("logit-bias-over", p, with_(p, logit_bias={"50": 100.5}), param="logit_bias"),
+        post("logit-bias-word", p, with_(p, logit_bias={"the": 1}), param="logit_bias"),
+        post("logit-bias-vocab", p, with_(p, logit_bias={"49152": 1}), param="logit_bias"),
         post("embedding-model", p, with_(p, model=E5), param="model"),
         Case("chat:put", "PUT", p, 405, with_(p), good=p),
     ]
@@ -500,7 +502,7 @@ def completions() -> list[Case]:
         post("suffix", p, with_(p, suffix="x"), param="suffix"),
         post("n-3", p, with_(p, n=3), param="n"),
         post("presence-penalty-3", p, with_(p, presence_penalty=-3), param="presence_penalty"),
-        post("logit-bias", p, with_(p, logit_bias={"1": -100}), param="logit_bias"),
+        post("logit-bias-negative-id", p, with_(p, logit_bias={"-1": 1}), param="logit_bias"),
         post(
             "stream-options-without-stream", p, with_(p, stream_options={}), param="stream_options"
         ),
@@ -739,8 +741,17 @@ def test_bad_input_gets_4xx_envelope_and_worker_keeps_serving(stack: Stack, case
         {"metadata": {"team": "search"}, "store": False, "service_tier": "auto"},  # harmless
         {"logprobs": True, "top_logprobs": 20},  # served (the most alternatives)
         {"presence_penalty": 2, "frequency_penalty": -2},  # served (OpenAI's bounds)
+        {"logit_bias": {"0": -100, "49151": 100}},  # served (the vocabulary's ends)
     ],
-    ids=["tools-off", "text-format", "no-penalties", "harmless-unknown", "logprobs", "penalties"],
+    ids=[
+        "tools-off",
+        "text-format",
+        "no-penalties",
+        "harmless-unknown",
+        "logprobs",
+        "penalties",
+        "logit-bias",
+    ],
 )
 def test_no_op_values_and_harmless_unknown_fields_are_accepted(
     stack: Stack, fields: dict[str, Any]

@@ -572,6 +572,31 @@ def test_vllms_truncation_and_activation_fields(base: str, name: str, model_dir:
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_vllm_tokenize_and_detokenize(base: str, name: str, model_dir: Path) -> None:
+    """vLLM's /tokenize (`prompt`) and /detokenize: the ids, count and token strings
+    `tokenizers` gives, the model's limit, and ids back to text with special tokens kept."""
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    text = TEXTS[3]
+    enc = tok.encode(text)
+    with httpx.Client(base_url=base, timeout=60) as client:
+        body = {"model": name, "prompt": text, "return_token_strs": True}
+        r = client.post("/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        want = {"count": len(enc.ids), "max_model_len": 512, "tokens": enc.ids}
+        assert r.json() == {**want, "token_strs": enc.tokens}
+        r = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
+        bare = tok.encode(text, add_special_tokens=False).ids
+        assert r.json()["tokens"] == bare and r.json()["token_strs"] is None
+        r = client.post("/detokenize", json={"model": name, "tokens": enc.ids})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"prompt": tok.decode(enc.ids, skip_special_tokens=False)}
+        assert "<s>" in r.json()["prompt"]
+        r = client.post("/detokenize", json={"tokens": [tok.get_vocab_size()]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+        r = client.post("/tokenize", json={"model": name, "prompt": text, "input": text})
+        assert r.status_code == 400, r.text
+
+
 def test_cohere_max_tokens_cuts_each_text(base: str, name: str, model_dir: Path) -> None:
     """Cohere's v2 `max_tokens` (once a 400, "not supported"): each text, prompt included,
     cut to that many tokens as sentence-transformers cuts at `max_seq_length`; with

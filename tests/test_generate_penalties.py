@@ -1,7 +1,8 @@
-"""OpenAI's presence and frequency penalties on SmolLM2-135M-Instruct (the real asset):
-greedy output equals a token-by-token loop over transformers' logits with OpenAI's formula
-applied by hand (logit - frequency * count - presence * [count > 0], counts over the output
-so far), and every speculation method gives the same output as plain decoding."""
+"""OpenAI's presence and frequency penalties and logit_bias on SmolLM2-135M-Instruct (the
+real asset): greedy output equals a token-by-token loop over transformers' logits with
+OpenAI's formulas applied by hand (logit + bias - frequency * count - presence *
+[count > 0], counts over the output so far), and every speculation method gives the same
+output as plain decoding."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import transformers
 from rose.assets import ensure_model
 from rose.generate import GenerationConfig, GenerationEngine
 from rose.models.llama import LlamaForCausalLM
-from rose.sampling import SamplingParams, penalize
+from rose.sampling import SamplingParams, adjust_logits
 from rose.spec import SpecConfig, truncated_drafter
 from rose.spec.mtp import MTPHead, MTPHeadConfig
 
@@ -27,7 +28,17 @@ TEXTS = [
     "face to Earth.\n\nQuestion: Repeat the first sentence of the context twice.",
 ]
 TOKENS = 24
-PENALTIES = [(0.0, 1.5), (1.0, 0.0), (0.6, 0.8), (-0.5, 0.0)]  # (presence, frequency)
+COMMA, THE = 28, 378  # SmolLM2's "," and " The"
+NO_BIAS: tuple[tuple[int, float], ...] = ()
+# (presence, frequency, logit_bias)
+PENALTIES = [
+    (0.0, 1.5, NO_BIAS),
+    (1.0, 0.0, NO_BIAS),
+    (0.6, 0.8, NO_BIAS),
+    (-0.5, 0.0, NO_BIAS),
+    (0.0, 0.0, ((COMMA, -100.0), (THE, 4.0))),
+    (0.6, 0.8, ((COMMA, -3.0),)),
+]
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +59,12 @@ def prompts(smol: Path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def references(smol: Path, prompts: list[list[int]]) -> dict[tuple[float, float], list[list[int]]]:
-    """transformers' greedy loop with the penalties applied to its logits by hand."""
+def references(smol: Path, prompts: list[list[int]]) -> dict[tuple, list[list[int]]]:
+    """transformers' greedy loop with the bias and penalties applied to its logits by hand."""
     model = transformers.AutoModelForCausalLM.from_pretrained(smol, dtype=torch.float32).eval()
-    out: dict[tuple[float, float], list[list[int]]] = {}
+    out: dict[tuple, list[list[int]]] = {}
     with torch.no_grad():
-        for presence, frequency in [(0.0, 0.0), *PENALTIES]:
+        for presence, frequency, bias in [(0.0, 0.0, NO_BIAS), *PENALTIES]:
             rows = []
             for prompt in prompts:
                 generated: list[int] = []
@@ -62,6 +73,8 @@ def references(smol: Path, prompts: list[list[int]]) -> dict[tuple[float, float]
                     step = model(input_ids=feed, past_key_values=past, use_cache=True)
                     past = step.past_key_values
                     logits = step.logits[0, -1].clone()
+                    for token, value in bias:
+                        logits[token] += value
                     counts = torch.bincount(
                         torch.tensor(generated, dtype=torch.int64), minlength=logits.numel()
                     ).float()
@@ -70,7 +83,7 @@ def references(smol: Path, prompts: list[list[int]]) -> dict[tuple[float, float]
                     generated.append(token)
                     feed = torch.tensor([[token]])
                 rows.append(generated)
-            out[presence, frequency] = rows
+            out[presence, frequency, bias] = rows
     return out
 
 
@@ -84,6 +97,7 @@ def _generate(
     prompts: list[list[int]],
     presence: float,
     frequency: float,
+    bias: tuple[tuple[int, float], ...] = NO_BIAS,
     method: str | None = None,
 ) -> list[list[int]]:
     drafter, head, spec = None, None, None
@@ -101,38 +115,48 @@ def _generate(
         model, cfg, drafter=drafter, mtp_head=head, eos_ids=model.config.eos_token_ids
     )
     params = SamplingParams(
-        max_tokens=TOKENS, ignore_eos=True, presence_penalty=presence, frequency_penalty=frequency
+        max_tokens=TOKENS,
+        ignore_eos=True,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        logit_bias=bias,
     )
     return [r.output_ids for r in eng.generate(prompts, params)]
 
 
-@pytest.mark.parametrize(("presence", "frequency"), PENALTIES)
+@pytest.mark.parametrize(("presence", "frequency", "bias"), PENALTIES)
 def test_penalized_greedy_equals_transformers_with_openais_formula(
     model: LlamaForCausalLM,
     prompts: list[list[int]],
-    references: dict[tuple[float, float], list[list[int]]],
+    references: dict[tuple, list[list[int]]],
     presence: float,
     frequency: float,
+    bias: tuple[tuple[int, float], ...],
 ) -> None:
-    got = _generate(model, prompts, presence, frequency)
-    assert got == references[presence, frequency]
-    assert _generate(model, prompts, 0.0, 0.0) == references[0.0, 0.0]
-    changed = [i for i, row in enumerate(got) if row != references[0.0, 0.0][i]]
-    assert changed, "the penalties changed no answer: the test could not fail"
+    got = _generate(model, prompts, presence, frequency, bias)
+    assert got == references[presence, frequency, bias]
+    plain = references[0.0, 0.0, NO_BIAS]
+    assert _generate(model, prompts, 0.0, 0.0) == plain
+    changed = [i for i, row in enumerate(got) if row != plain[i]]
+    assert changed, "the adjustments changed no answer: the test could not fail"
+    if bias and bias[0][1] == -100.0:
+        assert all(COMMA not in row for row in got)  # banned
+        assert any(COMMA in row for row in plain)
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft", "mtp", "mtp-tree"])
 def test_speculation_keeps_penalized_greedy_output(
     model: LlamaForCausalLM,
     prompts: list[list[int]],
-    references: dict[tuple[float, float], list[list[int]]],
+    references: dict[tuple, list[list[int]]],
     method: str,
 ) -> None:
     """Each verified row is penalized after the drafts before it, so drafts the plain
     decoder would not emit are rejected (a draft tree is dropped: its rows follow several
     paths)."""
-    presence, frequency = PENALTIES[2]
-    assert _generate(model, prompts, presence, frequency, method) == references[presence, frequency]
+    for presence, frequency, bias in PENALTIES[4:]:
+        got = _generate(model, prompts, presence, frequency, bias, method)
+        assert got == references[presence, frequency, bias]
 
 
 def test_each_verified_row_is_penalized_after_the_drafts_before_it() -> None:
@@ -142,10 +166,12 @@ def test_each_verified_row_is_penalized_after_the_drafts_before_it() -> None:
     logits = torch.randn(3, 10)
     generated, drafts = [1, 1, 4], [4, 7]
     got = logits.clone()
-    penalize(got, generated, drafts, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((7, 2.0),))
+    adjust_logits(got, generated, drafts, params)
     for j in range(3):
         seen = generated + drafts[:j]
         want = logits[j].clone()
+        want[7] += 2.0
         for token in set(seen):
             want[token] -= 0.25 * seen.count(token) + 0.5
         torch.testing.assert_close(got[j], want)
@@ -156,6 +182,8 @@ def test_each_verified_row_is_penalized_after_the_drafts_before_it() -> None:
 def test_penalties_outside_openais_range_are_refused(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=f"sampling.{field}"):
         SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match="sampling.logit_bias"):
+        SamplingParams(logit_bias=((5, value * 50),))
 
 
 def test_tulip_carries_the_penalties_and_refuses_them_out_of_range() -> None:
@@ -167,15 +195,19 @@ def test_tulip_carries_the_penalties_and_refuses_them_out_of_range() -> None:
         kind="generator", vocab_size=100, max_input_tokens=64, dimensions=0, default_normalize=False
     )
 
-    def work(**sampling: float) -> dict[str, object]:
+    def work(**sampling: object) -> dict[str, object]:
         request = pb.GenerateRequest(
             prompt_ids=(1).to_bytes(4, "little"), sampling=pb.SamplingOptions(**sampling)
         )
         return generate_work(request, limits).sampling_kwargs(4)
 
-    got = work(presence_penalty=1.5, frequency_penalty=-0.5)
+    got = work(presence_penalty=1.5, frequency_penalty=-0.5, logit_bias={7: -100.0, 2: 1.5})
     assert (got["presence_penalty"], got["frequency_penalty"]) == (1.5, -0.5)
+    assert got["logit_bias"] == ((2, 1.5), (7, -100.0))
     assert (work()["presence_penalty"], work()["frequency_penalty"]) == (0.0, 0.0)
+    for bias in ({100: 1.0}, {3: 100.5}, {3: float("nan")}):
+        with pytest.raises(InvalidInput, match="sampling.logit_bias"):
+            work(logit_bias=bias)
     for field in ("presence_penalty", "frequency_penalty"):
         for value in (2.5, -3.0, float("nan")):
             with pytest.raises(InvalidInput, match=f"sampling.{field}"):

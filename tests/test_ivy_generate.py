@@ -524,20 +524,37 @@ def reference(model_dir: Path) -> Callable[[list[int], list[int]], Any]:
     return logprobs
 
 
-def test_presence_and_frequency_penalties_equal_transformers(
-    base: str, name: str, oracle: Oracle, reference: Callable[[list[int], list[int]], Any]
+@pytest.mark.parametrize(
+    "adjust",
+    [
+        {"presence_penalty": 0.8, "frequency_penalty": 0.6},
+        {"logit_bias": {"28": -100, "378": 3.5}},  # SmolLM2's "," banned, " The" raised
+    ],
+    ids=["penalties", "logit-bias"],
+)
+def test_penalties_and_logit_bias_equal_transformers(
+    base: str,
+    name: str,
+    oracle: Oracle,
+    reference: Callable[[list[int], list[int]], Any],
+    adjust: dict[str, Any],
 ) -> None:
-    """OpenAI's presence and frequency penalties (once a 400) through Ivy and Tulip:
-    greedy output equals transformers' greedy loop with OpenAI's formula applied by hand
-    (logit - frequency * count - presence * [count > 0], counts over the output so far)."""
+    """OpenAI's presence and frequency penalties and logit_bias (once 400s) through Ivy
+    and Tulip: greedy output equals transformers' greedy loop with OpenAI's formulas
+    applied by hand (logit + bias - frequency * count - presence * [count > 0], counts
+    over the output so far)."""
     import torch
 
-    presence, frequency, budget = 0.8, 0.6, 20
+    budget = 20
     prompt = oracle.tokenizer(PROMPTS[1])["input_ids"]  # a list: its commas repeat
     eos = oracle.tokenizer.eos_token_id
+    presence = adjust.get("presence_penalty", 0.0)
+    frequency = adjust.get("frequency_penalty", 0.0)
     out: list[int] = []
     while len(out) < budget:
         logits = reference(prompt, [*out, 0])[-1].clone()  # the next token's
+        for token, bias in adjust.get("logit_bias", {}).items():
+            logits[int(token)] += bias
         counts = torch.bincount(torch.tensor(out, dtype=torch.int64), minlength=logits.numel())
         logits -= frequency * counts.float() + presence * (counts > 0).float()
         token = int(logits.argmax())
@@ -545,14 +562,9 @@ def test_presence_and_frequency_penalties_equal_transformers(
             break
         out.append(token)
     want = oracle.tokenizer.decode(out, skip_special_tokens=True)
-    assert want != oracle.greedy(prompt, budget)[0]  # the penalties change this answer
+    assert want != oracle.greedy(prompt, budget)[0]  # the request changes this answer
     r = openai_client(base).completions.create(
-        model=name,
-        prompt=PROMPTS[1],
-        max_tokens=budget,
-        temperature=0,
-        presence_penalty=presence,
-        frequency_penalty=frequency,
+        model=name, prompt=PROMPTS[1], max_tokens=budget, temperature=0, **adjust
     )
     assert r.choices[0].text == want
     assert r.usage.completion_tokens == len(out) + (len(out) < budget)  # EOS counts

@@ -14,7 +14,7 @@ import numpy as np
 from protos.trellis.v1 import inference_pb2 as pb
 from protos.wire import WireError, unpack_token_batch
 from rose.grammar import GrammarError, JsonFormat
-from rose.sampling import MAX_PENALTY
+from rose.sampling import MAX_LOGIT_BIAS, MAX_PENALTY
 from tulip.errors import InvalidInput
 
 __all__ = [
@@ -141,6 +141,7 @@ class GenerateWork:
     logprobs: int | None = None  # alternatives per token's logprobs; None: no logprobs
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
 
     def sampling_kwargs(self, max_tokens: int) -> dict[str, object]:
         """Keyword arguments of `rose.sampling.SamplingParams` (``max_tokens`` resolved)."""
@@ -157,6 +158,7 @@ class GenerateWork:
             "logprobs": self.logprobs,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
+            "logit_bias": self.logit_bias,
         }
 
 
@@ -224,7 +226,19 @@ def generate_work(request: pb.GenerateRequest, limits: ModelLimits) -> GenerateW
             raise InvalidInput(
                 f"sampling.{name}: must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}"
             )
+    for token, bias in sorted(s.logit_bias.items()):
+        if token >= limits.vocab_size:
+            raise InvalidInput(
+                f"sampling.logit_bias: token id {token} is outside the vocabulary "
+                f"(size {limits.vocab_size})"
+            )
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails too
+            raise InvalidInput(
+                f"sampling.logit_bias[{token}]: must be in [-{MAX_LOGIT_BIAS}, "
+                f"{MAX_LOGIT_BIAS}], got {bias}"
+            )
     return GenerateWork(
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
         response_format=_response_format(s),
         logprobs=logprobs,
         presence_penalty=float(s.presence_penalty),
