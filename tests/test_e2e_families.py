@@ -820,6 +820,9 @@ def test_embeddinggemma_equals_sentence_transformers(base: str, dirs: dict[str, 
     np.testing.assert_allclose(queries, want, atol=1e-4)
     plain = _embed(base, "gemma3-embed", input=[QUESTION])  # the default prompt
     np.testing.assert_allclose(plain, _st_embed(path, [QUESTION]), atol=1e-4)
+    bare = _embed(base, "gemma3-embed", input=[QUESTION], input_type="none")  # no prompt
+    np.testing.assert_allclose(bare, _st_embed(path, [QUESTION], prompt=""), atol=1e-4)
+    assert float((bare * plain).sum()) < 0.9999
     assert float((plain * want).sum()) < 0.9999  # the prompts did change the input
     # Matryoshka: the first 16 of the projected 64 dimensions, renormalized
     cut = _embed(base, "gemma3-embed", input=[QUESTION], input_type="query", dimensions=16)
