@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,7 @@ from ivy.schemas import (
     Usage,
     VllmTokenizeResponse,
 )
+from ivy.tokenization import TokenizationError
 from protos import tracing
 
 __all__ = ["Gateway", "Timings"]
@@ -421,21 +423,22 @@ class Gateway:
         # vLLM's truncate_prompt_tokens: cut to that many tokens
         max_length = _truncation(model.spec.max_input_tokens, req.truncate_prompt_tokens)
         truncate = True if max_length is not None else req.truncate
-        if req.output == "sparse":
-            return await self._sparse_embeddings(
-                req, model, inputs, prompt, truncate, max_length, timings
+        with _cut_named(None if max_length is None else "truncate_prompt_tokens"):
+            if req.output == "sparse":
+                return await self._sparse_embeddings(
+                    req, model, inputs, prompt, truncate, max_length, timings
+                )
+            vectors, tokens = await self.embed(
+                model,
+                inputs,
+                timings,
+                prompt=prompt,
+                truncate=truncate,
+                max_length=max_length,
+                left=req.truncation_direction.lower() == "left",
+                dimensions=req.dimensions,
+                normalize=False if req.use_activation is False else None,
             )
-        vectors, tokens = await self.embed(
-            model,
-            inputs,
-            timings,
-            prompt=prompt,
-            truncate=truncate,
-            max_length=max_length,
-            left=req.truncation_direction.lower() == "left",
-            dimensions=req.dimensions,
-            normalize=False if req.use_activation is False else None,
-        )
         return EmbeddingResponse(
             _embedding_data(vectors, req.encoding_format), req.model, Usage(tokens, tokens)
         )
@@ -672,17 +675,18 @@ class Gateway:
                     f"'{param}' is not supported: send `texts` (cut by `truncate`).", param=param
                 )
         model = self.embedder(req.model)
-        vectors, tokens = await self.embed(
-            model,
-            req.texts,
-            timings,
-            prompt=model.prompt_for(req.input_type),
-            truncate=req.truncate != "NONE",
-            max_length=req.max_tokens,
-            left=req.truncate == "START",
-            dimensions=req.output_dimension,
-            fields=COHERE_FIELDS,
-        )
+        with _cut_named(None if req.max_tokens is None else "max_tokens"):
+            vectors, tokens = await self.embed(
+                model,
+                req.texts,
+                timings,
+                prompt=model.prompt_for(req.input_type),
+                truncate=req.truncate != "NONE",
+                max_length=req.max_tokens,
+                left=req.truncate == "START",
+                dimensions=req.output_dimension,
+                fields=COHERE_FIELDS,
+            )
         kinds = dict.fromkeys(req.embedding_types)  # each once, in the order asked
         embeddings = {kind: _COHERE_TYPES[kind](vectors) for kind in kinds}
         meta = CohereMeta(ApiVersion("2"), CohereBilledUnits(tokens))
@@ -808,7 +812,8 @@ class Gateway:
         t0 = time.perf_counter()
         deadline, claim = self._admit(name, a + b)
         with claim:
-            with tracing.span("tokenize", inputs=len(a) + len(b)):
+            asked = "truncate_prompt_tokens" if req.truncate_prompt_tokens is not None else None
+            with _cut_named(asked), tracing.span("tokenize", inputs=len(a) + len(b)):
                 if spec.kind == CROSS_ENCODER:
                     pairs = [(a[0] if len(a) == 1 else a[i], doc) for i, doc in enumerate(b)]
                     template = _pair_template(model, left, "truncation_side")
@@ -818,15 +823,21 @@ class Gateway:
                     _check_lengths(lengths, limit, b_name, _SCORE_TRUNCATE)
                 else:  # each text embedded once, with the prompt of no prompt chosen
                     prompt = model.prompt_for(None)
-                    ids, lengths = await self._tokenize(
-                        model,
-                        [prompt + t for t in a + b] if prompt else a + b,
-                        truncate=max_length is not None,
-                        max_length=max_length,
-                        left=left,
-                        param=b_name,
-                        fix=_SCORE_TRUNCATE,
-                    )
+                    sides = []
+                    for texts, side in ((a, a_name), (b, b_name)):  # 400s name their side
+                        sides.append(
+                            await self._tokenize(
+                                model,
+                                [prompt + t for t in texts] if prompt else texts,
+                                truncate=max_length is not None,
+                                max_length=max_length,
+                                left=left,
+                                param=side,
+                                fix=_SCORE_TRUNCATE,
+                            )
+                        )
+                    ids = np.concatenate([sides[0][0], sides[1][0]])
+                    lengths = np.concatenate([sides[0][1], sides[1][1]])
             timings.tokenize_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             if spec.kind == CROSS_ENCODER:
@@ -921,6 +932,7 @@ class Gateway:
         spec = model.spec
         # vLLM's truncate_prompt_tokens: pairs cut to that many tokens
         room = _truncation(spec.max_input_tokens, req.truncate_prompt_tokens)
+        cut_param = None if room is None else "truncate_prompt_tokens"
         cut = cut or room is not None
         room = room or spec.max_input_tokens
         # Everything about the request is checked before it is admitted: an embedder's
@@ -934,14 +946,23 @@ class Gateway:
             q_prompt = (
                 model.instructed_prompt(req.instruction) if req.instruction else spec.query_prompt
             )
-            q_ids, q_len = await self._tokenize(
-                model, [q_prompt + req.query], truncate=False, param="query"
-            )
+            # the query is cut only when vLLM's truncate_prompt_tokens asks (Cohere's and
+            # TEI's shapes cut documents alone)
+            asked = req.truncate_prompt_tokens is not None
+            with _cut_named(cut_param):
+                q_ids, q_len = await self._tokenize(
+                    model,
+                    [q_prompt + req.query],
+                    truncate=asked,
+                    max_length=room if asked else None,
+                    left=left,
+                    param="query",
+                )
         deadline, claim = self._admit(name, docs)
         with claim:
             if spec.kind == CROSS_ENCODER:
                 if template is not None:
-                    with tracing.span("tokenize", inputs=len(docs)):
+                    with _cut_named(cut_param), tracing.span("tokenize", inputs=len(docs)):
                         ids, lengths = await asyncio.to_thread(
                             _template_pairs,
                             model,
@@ -959,7 +980,7 @@ class Gateway:
                     # max_tokens_per_doc of its own tokens, then the pair to the model's
                     # limit, longest first (a query over half the room is cut too), at the
                     # sequences' ends or, `left`, their starts.
-                    with tracing.span("tokenize", inputs=len(docs)):
+                    with _cut_named(cut_param), tracing.span("tokenize", inputs=len(docs)):
                         ids, lengths, first = await asyncio.to_thread(
                             model.tokenizer.encode_pairs_packed,
                             query,
@@ -994,7 +1015,7 @@ class Gateway:
                         [spec.document_prompt], True, None
                     )
                     max_length = min(per_doc + int(overhead[0]), room)
-                with tracing.span("tokenize", inputs=len(docs)):
+                with _cut_named(cut_param), tracing.span("tokenize", inputs=len(docs)):
                     d_ids, d_len = await self._tokenize(
                         model,
                         docs_in,
@@ -1141,6 +1162,18 @@ def _prompted(
         return inputs, ""
     rows = [inputs] if isinstance(inputs[0], int) else inputs
     return model.decode(rows, True, param=field), prompt  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def _cut_named(param: str | None) -> Iterator[None]:
+    """The tokenizer's refusal of a cut (one below the special tokens) as a 400 naming
+    `param`, the request field that asked for it (None: left to the exception map)."""
+    try:
+        yield
+    except TokenizationError as exc:
+        if param is None:
+            raise
+        raise ValidationError(f"{param} is too small: {exc}.", param=param) from None
 
 
 def _truncation(limit: int, tokens: int | None) -> int | None:

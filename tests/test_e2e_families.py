@@ -606,6 +606,40 @@ def test_rerank_reads_vllms_truncation_and_activation(base: str, dirs: dict[str,
     assert np.abs(full - want).max() > 1e-3  # the cut did change the scores
 
 
+def test_vllm_cuts_reach_every_text_and_errors_name_their_side(base: str) -> None:
+    """`truncate_prompt_tokens` cuts an embedder's rerank query too (it once cut only the
+    documents: a query equal to a document scored below 1); an over-long text on an
+    embedder's /score is a 400 naming its own side and index (it once named `documents`
+    and an index into both sides); a cut below the special tokens names the field that
+    asked for it (it was a 400 with no param)."""
+    long = " ".join(f"w{10 + i % 250}" for i in range(300))
+    body = {"model": "mpnet", "query": long, "documents": ["w10 w11 w12", long], "top_n": 2}
+    r = httpx.post(f"{base}/rerank", json={**body, "truncate_prompt_tokens": 5}, timeout=60)
+    assert r.status_code == 200, r.text
+    by_index = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+    assert by_index[1] == pytest.approx(1.0, abs=1e-5)  # the same 5 tokens
+    assert by_index[0] == pytest.approx(1.0, abs=1e-5)  # [CLS] w10 w11 w12 [SEP]: the cut query
+    r = httpx.post(f"{base}/rerank", json={**body, "truncate_prompt_tokens": -1}, timeout=60)
+    assert r.status_code == 200, r.text
+    for queries, docs, param, index in [
+        ("w4", ["w5", long], "documents", 1),
+        ([long, "w4"], ["w5", "w6"], "queries", 0),
+    ]:
+        r = httpx.post(
+            f"{base}/score",
+            json={"model": "mpnet", "queries": queries, "documents": docs},
+            timeout=60,
+        )
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and f"Input {index} has" in error["message"], error
+    for model in ("deberta-rr", "mpnet"):
+        body = {"model": model, "queries": "w4", "documents": "w5", "truncate_prompt_tokens": 1}
+        r = httpx.post(f"{base}/score", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
 def test_vllm_score_on_a_chat_template_reranker_and_an_embedder(
     base: str, dirs: dict[str, Path]
 ) -> None:

@@ -616,6 +616,8 @@ def test_cohere_max_tokens_cuts_each_text(base: str, name: str, model_dir: Path)
         r = client.post("/v2/embed", json={**body, "truncate": "NONE"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "texts", r.text
         assert "over the 16 asked for" in r.json()["error"]["message"]
+        r = client.post("/v2/embed", json={**body, "max_tokens": 1})  # below <s> ... </s>
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
 def test_int8_embeddings_keep_the_float_direction_on_real_texts(base: str, name: str) -> None:
