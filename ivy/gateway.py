@@ -67,6 +67,7 @@ from ivy.schemas import (
     TokenizeResponse,
     Usage,
     VllmTokenizeResponse,
+    cuts_left,
 )
 from ivy.tokenization import TokenizationError
 from protos import tracing
@@ -435,7 +436,7 @@ class Gateway:
                 prompt=prompt,
                 truncate=truncate,
                 max_length=max_length,
-                left=req.truncation_direction.lower() == "left",
+                left=cuts_left(req),
                 dimensions=req.dimensions,
                 normalize=False if req.use_activation is False else None,
             )
@@ -478,7 +479,7 @@ class Gateway:
             prompt=prompt,
             truncate=truncate,
             max_length=max_length,
-            left=req.truncation_direction.lower() == "left",
+            left=cuts_left(req),
         )
         assert out.sparse is not None
         data = [
@@ -927,7 +928,7 @@ class Gateway:
             docs = [d if isinstance(d, str) else d.text for d in req.documents]  # type: ignore[union-attr]
             cut = True  # Cohere's shape fits documents to the room left
             per_doc = req.max_tokens_per_doc or _DEFAULT_MAX_TOKENS_PER_DOC
-        left = req.truncation_direction.lower() == "left"
+        left = cuts_left(req)
         self.check_count(len(docs), param, "documents")
         spec = model.spec
         # vLLM's truncate_prompt_tokens: pairs cut to that many tokens

@@ -123,6 +123,9 @@ class EmbeddingRequest(_Strict):
         description="vLLM: cut each input to this many tokens, special tokens included "
         "(-1: the model's limit).",
     )
+    truncation_side: Literal["left", "right"] | None = Field(
+        default=None, description="vLLM's name of `truncation_direction` (wins if both)."
+    )
     use_activation: bool | None = Field(
         default=None, description="vLLM: false gives vectors without the model's normalization."
     )
@@ -375,6 +378,9 @@ class RerankRequest(_Strict):
     truncate_prompt_tokens: TruncateTokens | None = Field(
         default=None, description="vLLM: cut each pair to this many tokens (-1: the limit)."
     )
+    truncation_side: Literal["left", "right"] | None = Field(
+        default=None, description="vLLM's name of `truncation_direction` (wins if both)."
+    )
     use_activation: bool | None = Field(
         default=None, description="vLLM: false gives a cross-encoder's logits (TEI: raw_scores)."
     )
@@ -385,6 +391,12 @@ class RerankRequest(_Strict):
         "`<Instruct>`), else text before the query (embedders: the model's query prompt "
         "format, as /v1/embeddings).",
     )
+
+
+def cuts_left(req: EmbeddingRequest | RerankRequest) -> bool:
+    """Whether the request cuts texts at their start: vLLM's `truncation_side`, else
+    TEI's and Trellis' `truncation_direction`."""
+    return (req.truncation_side or req.truncation_direction).lower() == "left"
 
 
 ScoreTexts = NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)]

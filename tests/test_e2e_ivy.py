@@ -570,6 +570,13 @@ def test_vllms_truncation_and_activation_fields(base: str, name: str, model_dir:
         assert cosines(raw, want).min() >= COSINE
         r = client.post("/v1/embeddings", json={**body, "truncate_prompt_tokens": 513})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+        # vLLM's truncation_side: left keeps each text's end (it was ignored: cut right)
+        st.tokenizer.truncation_side = "left"
+        want_left = st.encode(texts)
+        assert cosines(want_left, want).min() < 0.99  # the side matters for texts[0]
+        r = client.post("/v1/embeddings", json={**body, "truncation_side": "left"})
+        assert r.status_code == 200, r.text
+        assert cosines(decode(r.json()["data"], "float"), want_left).min() >= COSINE
 
 
 def test_vllm_tokenize_and_detokenize(base: str, name: str, model_dir: Path) -> None:
