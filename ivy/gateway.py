@@ -856,10 +856,8 @@ class Gateway:
                 vectors, timings.chunks, timings.replica_s = await self.router.embed(
                     name, ids, lengths, dimensions=0, deadline=deadline, claim=claim
                 )
-                queries = vectors[: len(a)] if len(a) > 1 else vectors[:1]
-                docs = vectors[len(a) :]
-                norms = np.linalg.norm(queries, axis=1) * np.linalg.norm(docs, axis=1)
-                scores = (queries * docs).sum(axis=1) / np.maximum(norms, 1e-12)
+                # each document's cosine with its query (the one query, 1:N)
+                scores = (_unit(vectors[: len(a)]) * _unit(vectors[len(a) :])).sum(axis=1)
             timings.inference_s = time.perf_counter() - t1
         tokens = int(ids.size)
         self.metrics.input_tokens.labels(model=name).inc(tokens)
@@ -1312,11 +1310,16 @@ def _maxsim_to_first(rows: Sequence[np.ndarray]) -> np.ndarray:
     return np.asarray(scores, dtype=np.float32)
 
 
-def _cosines_to_first(vectors: np.ndarray) -> np.ndarray:
-    """[N, D] -> [N - 1]: the cosine of each vector after the first with the first."""
+def _unit(vectors: np.ndarray) -> np.ndarray:
+    """[N, D] -> [N, D]: each row scaled to length 1 (a zero row stays zero)."""
     norms = np.linalg.norm(vectors, axis=1)
     norms[norms == 0] = 1.0
-    unit = vectors / norms[:, None]
+    return vectors / norms[:, None]  # type: ignore[no-any-return]
+
+
+def _cosines_to_first(vectors: np.ndarray) -> np.ndarray:
+    """[N, D] -> [N - 1]: the cosine of each vector after the first with the first."""
+    unit = _unit(vectors)
     return unit[1:] @ unit[0]  # type: ignore[no-any-return]
 
 
