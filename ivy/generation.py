@@ -125,10 +125,11 @@ class ReplicaLost(UnavailableError):
 
 @dataclass(frozen=True)
 class Prepared:
-    """A validated request: one tokenized prompt per choice and its sampling options."""
+    """A validated request: its tokenized prompts, each answered by ``n`` choices (choice
+    ``i * n + j`` is prompt i's j-th, as OpenAI numbers them), and its sampling options."""
 
     model: str
-    prompts: list[np.ndarray]  # uint32 token ids, one array per choice
+    prompts: list[np.ndarray]  # uint32 token ids, one array per prompt
     sampling: pb.SamplingOptions
     budget: int  # tokens one generation may produce (for routing)
     stream: bool
@@ -138,6 +139,7 @@ class Prepared:
     tokenize_s: float = 0.0
     # the model's token texts when the request asked for logprobs (sampling.top_logprobs)
     pieces: TokenPieces | None = None
+    n: int = 1  # choices per prompt
 
 
 @dataclass
@@ -436,6 +438,9 @@ class GenerationService:
             sampling.seed = req.seed % 2**64
         if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
             sampling.response_format.CopyFrom(_response_format(req.response_format))
+        n = req.n or 1
+        if n > 1:
+            self._gateway().check_count(len(prompts) * n, "n", "choices (prompts x n)")
         longest = max(int(p.size) for p in prompts)
         return Prepared(
             model=model.name,
@@ -447,35 +452,52 @@ class GenerationService:
             param=param,
             started=started,
             tokenize_s=time.perf_counter() - started,
+            n=n,
         )
 
     # ---- routing -------------------------------------------------------------------------
     async def open(self, prepared: Prepared) -> list[Generation]:
-        """One open generation per prompt (concurrently), each past its first message.
-        On any failure the others are closed and the error is raised."""
+        """One open generation per choice (concurrently), in choice order, each past its
+        first message. On any failure the others are closed and the error is raised."""
         deadline = time.monotonic() + self.timeout_seconds
-        opens = [self._open_one(prepared, ids, deadline) for ids in prepared.prompts]
+        opens = [
+            self._open_one(prepared, ids, _choice_sampling(prepared.sampling, j), deadline)
+            for ids in prepared.prompts
+            for j in range(prepared.n)
+        ]
         return await gather_or_cancel(opens, discard=Generation.close)
 
     async def _open_one(
-        self, prepared: Prepared, ids: np.ndarray, deadline: float, *, again: bool = False
+        self,
+        prepared: Prepared,
+        ids: np.ndarray,
+        sampling: pb.SamplingOptions,
+        deadline: float,
+        *,
+        again: bool = False,
     ) -> Generation:
         try:
-            return await self._route(prepared, ids, deadline, again=again)
+            return await self._route(prepared, ids, sampling, deadline, again=again)
         except IvyError:
             self.metrics.generations.labels(model=prepared.model, outcome="error").inc()
             raise
 
     async def _route(
-        self, prepared: Prepared, ids: np.ndarray, deadline: float, *, again: bool = False
+        self,
+        prepared: Prepared,
+        ids: np.ndarray,
+        sampling: pb.SamplingOptions,
+        deadline: float,
+        *,
+        again: bool = False,
     ) -> Generation:
         """Start the call on a replica, under the router's one policy (a refusal is
         retried once elsewhere, failures translated); no hedging: a generation runs on
-        one replica at a time. The first run of a prompt can be reopened once (`again`),
+        one replica at a time. The first run of a choice can be reopened once (`again`),
         within the same deadline."""
         tokens = int(ids.size) + prepared.budget
         request = pb.GenerateRequest(
-            prompt_ids=ids.astype("<u4", copy=False).tobytes(), sampling=prepared.sampling
+            prompt_ids=ids.astype("<u4", copy=False).tobytes(), sampling=sampling
         )
         traceparent = tracing.traceparent()
         metadata = (("traceparent", traceparent),) if traceparent else None
@@ -516,7 +538,7 @@ class GenerationService:
             logprobs=prepared.pieces is not None,
             reopen=None
             if again
-            else functools.partial(self._open_one, prepared, ids, deadline, again=True),
+            else functools.partial(self._open_one, prepared, ids, sampling, deadline, again=True),
         )
 
 
@@ -622,6 +644,18 @@ def unsupported_field(req: ChatCompletionRequest | CompletionRequest) -> str | N
     return None
 
 
+def _choice_sampling(sampling: pb.SamplingOptions, j: int) -> pb.SamplingOptions:
+    """The sampling options of a prompt's j-th choice: a seeded request's choices sample
+    with seed + j (as vLLM seeds them), so they differ and each repeats; unseeded ones
+    draw their own randomness on the replica."""
+    if j == 0 or not sampling.HasField("seed"):
+        return sampling
+    choice = pb.SamplingOptions()
+    choice.CopyFrom(sampling)
+    choice.seed = (sampling.seed + j) % 2**64
+    return choice
+
+
 def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
     """OpenAI's logit_bias (token ids as strings) as the wire's map, each id checked."""
     out: dict[int, float] = {}
@@ -651,8 +685,6 @@ def _response_format(fmt: ResponseFormat) -> pb.ResponseFormat:
 
 
 def _check_common(req: ChatCompletionRequest | CompletionRequest) -> None:
-    if req.n is not None and req.n != 1:
-        raise ValidationError(f"Only n=1 is supported, got n={req.n}.", param="n")
     field = unsupported_field(req)
     if field is not None:
         raise ValidationError(

@@ -78,9 +78,11 @@ def _error_event(exc: BaseException) -> bytes:
     return sse.event(_INTERNAL)
 
 
-def _usage(outcomes: Sequence[Outcome]) -> GenerationUsage:
+def _usage(outcomes: Sequence[Outcome], n: int) -> GenerationUsage:
+    """OpenAI's usage of ``outcomes`` (``n`` choices per prompt, in choice order): each
+    prompt counted once, every choice's completion."""
     return GenerationUsage.of(
-        sum(o.prompt_tokens for o in outcomes), sum(o.completion_tokens for o in outcomes)
+        sum(o.prompt_tokens for o in outcomes[::n]), sum(o.completion_tokens for o in outcomes)
     )
 
 
@@ -93,33 +95,34 @@ async def _chat_events(
     pieces = prepared.pieces
 
     def chunk(
+        index: int,
         delta: RoleDelta | ContentDelta | EndDelta,
         finish: str | None,
         logprobs: ChatLogprobs | None = None,
     ) -> bytes:
-        choice = ChatChunkChoice(0, delta, finish, logprobs)  # type: ignore[arg-type]
+        choice = ChatChunkChoice(index, delta, finish, logprobs)  # type: ignore[arg-type]
         return sse.event(kind(rid, created, model, [choice]))
 
-    (generation,) = generations
-    yield chunk(RoleDelta(), None)
+    for index in range(len(generations)):
+        yield chunk(index, RoleDelta(), None)
     try:
-        async for _, message in merge(generations):
+        async for index, message in merge(generations):
             # a chunk carries the logprobs of its message's tokens (its text may lag them:
             # a replica holds back text that could still become a stop string)
             if pieces is not None and message.token_ids:
                 logprobs = chat_logprobs(pieces, message.token_ids, message.logprobs)
-                yield chunk(ContentDelta(message.text), None, logprobs)
+                yield chunk(index, ContentDelta(message.text), None, logprobs)
             elif message.text:
-                yield chunk(ContentDelta(message.text), None)
+                yield chunk(index, ContentDelta(message.text), None)
+            finish = finish_reason(message)
+            if finish is not None:
+                yield chunk(index, EndDelta(), finish)
     except Exception as exc:  # noqa: BLE001 - reported in the stream, which then ends
         yield _error_event(exc)
         return
-    outcome = generation.outcome("")
-    yield chunk(EndDelta(), outcome.finish_reason)
     if with_usage:
-        yield sse.event(
-            ChatCompletionChunkWithUsage(rid, created, model, [], usage=_usage([outcome]))
-        )
+        usage = _usage([g.outcome("") for g in generations], prepared.n)
+        yield sse.event(ChatCompletionChunkWithUsage(rid, created, model, [], usage=usage))
     yield sse.DONE
 
 
@@ -145,7 +148,7 @@ async def _completion_events(
         yield _error_event(exc)
         return
     if with_usage:
-        usage = _usage([g.outcome("") for g in generations])
+        usage = _usage([g.outcome("") for g in generations], prepared.n)
         yield sse.event(CompletionChunkWithUsage(rid, created, model, [], usage=usage))
     yield sse.DONE
 
@@ -189,11 +192,16 @@ def generation_routes(service: GenerationService) -> list[Route]:
         if prepared.stream:
             events = _chat_events(prepared, generations, rid, created, req.model)
             return sse.Stream(events, headers, _closer(generations))
-        (outcome,) = await collect(generations)
-        message = AssistantMessage(outcome.text)
-        logprobs = _chat_logprobs(prepared.pieces, outcome)
-        choice = ChatChoice(0, message, outcome.finish_reason, logprobs)  # type: ignore[arg-type]
-        body = ChatCompletionResponse(rid, created, req.model, [choice], _usage([outcome]))
+        outcomes = await collect(generations)
+        choices = [
+            ChatChoice(
+                i, AssistantMessage(o.text), o.finish_reason, _chat_logprobs(prepared.pieces, o)
+            )  # type: ignore[arg-type]
+            for i, o in enumerate(outcomes)
+        ]
+        body = ChatCompletionResponse(
+            rid, created, req.model, choices, _usage(outcomes, prepared.n)
+        )
         return Reply(body, headers=headers)
 
     async def completion(req: CompletionRequest) -> Reply | sse.Stream:
@@ -207,7 +215,7 @@ def generation_routes(service: GenerationService) -> list[Route]:
             CompletionChoice(i, o.text, o.finish_reason, _completion_logprobs(prepared.pieces, o))  # type: ignore[arg-type]
             for i, o in enumerate(outcomes)
         ]
-        body = CompletionResponse(rid, created, req.model, choices, _usage(outcomes))
+        body = CompletionResponse(rid, created, req.model, choices, _usage(outcomes, prepared.n))
         return Reply(body, headers=headers)
 
     def described(chunk: type) -> str:

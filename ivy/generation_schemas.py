@@ -63,6 +63,8 @@ FinishReason = Literal["stop", "length"]
 # OpenAI's limits: alternatives per token in chat (top_logprobs) and legacy (logprobs).
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+# OpenAI's limit on choices per prompt (n).
+MAX_CHOICES = 128
 
 
 # Fields Ivy does not implement whose use would change the answer: accepted at their no-op
@@ -170,7 +172,11 @@ class _Sampling(_Strict):
     stop: StopStrings | None = Field(
         default=None, description=f"Up to 4 strings of at most {MAX_STOP_CHARS} characters."
     )
-    n: int | None = Field(default=None, description="Only 1 is supported.")
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] | None = Field(
+        default=None,
+        description="Choices per prompt, each sampled on its own; with a seed, choice j "
+        "samples with seed + j.",
+    )
     presence_penalty: Penalty | None = Field(
         default=None,
         description="Lower a token's logit by this once it appears in the output (OpenAI's).",
@@ -189,7 +195,7 @@ class _Sampling(_Strict):
 
 
 class ChatCompletionRequest(_Sampling):
-    """OpenAI's chat completion request (text only, one choice)."""
+    """OpenAI's chat completion request (text only)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = Field(

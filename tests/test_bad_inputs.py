@@ -394,7 +394,7 @@ def chat() -> list[Case]:
         post("stop-empty-string", p, with_(p, stop=[""]), param="stop"),
         post("stop-too-long", p, with_(p, stop="x" * 1025), param="stop"),
         post("stop-number", p, with_(p, stop=5), param="stop"),
-        post("n-2", p, with_(p, n=2), param="n"),
+        post("n-129", p, with_(p, n=129), param="n"),
         post("n-0", p, with_(p, n=0), param="n"),
         post("n-2^64", p, with_(p, n=2**64), param="n"),
         post("stream-string", p, with_(p, stream="yes"), param="stream"),
@@ -500,7 +500,8 @@ def completions() -> list[Case]:
         post("logprobs-negative", p, with_(p, logprobs=-1), param="logprobs"),
         post("logprobs-bool", p, with_(p, logprobs=True), param="logprobs"),
         post("suffix", p, with_(p, suffix="x"), param="suffix"),
-        post("n-3", p, with_(p, n=3), param="n"),
+        post("n-129", p, with_(p, n=129), param="n"),
+        post("n-string", p, with_(p, n="2"), param="n"),
         post("presence-penalty-3", p, with_(p, presence_penalty=-3), param="presence_penalty"),
         post("logit-bias-negative-id", p, with_(p, logit_bias={"-1": 1}), param="logit_bias"),
         post(

@@ -473,6 +473,78 @@ def test_completions_stream_several_prompts(base: str, name: str, oracle: Oracle
     assert usage is not None and usage.completion_tokens == 12
 
 
+# ---- n choices per prompt ---------------------------------------------------------------
+
+
+def test_chat_n_greedy_choices(base: str, name: str, oracle: Oracle) -> None:
+    """n greedy choices are n copies of greedy decoding; usage counts the prompt once."""
+    client = openai_client(base)
+    ids = oracle.chat_ids(CHAT)
+    want, want_tokens, want_finish = oracle.greedy(ids, 12)
+    r = client.chat.completions.create(model=name, messages=CHAT, max_tokens=12, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == [want] * 3
+    assert [c.finish_reason for c in r.choices] == [want_finish] * 3
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 3 * want_tokens)
+    assert r.usage.total_tokens == len(ids) + 3 * want_tokens
+
+
+def test_chat_n_stream(base: str, name: str, oracle: Oracle) -> None:
+    """Streamed, every choice opens with its role, carries its index, and finishes once."""
+    ids = oracle.chat_ids(TWO_PLUS_TWO)
+    want, want_tokens, want_finish = oracle.greedy(ids, 10)
+    stream = openai_client(base).chat.completions.create(
+        model=name,
+        messages=TWO_PLUS_TWO,
+        max_tokens=10,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert [c.choices[0].index for c in chunks[:2]] == [0, 1]
+    assert all(c.choices[0].delta.role == "assistant" for c in chunks[:2])
+    texts, finishes = ["", ""], [[], []]
+    for c in chunks[2:-1]:
+        (choice,) = c.choices
+        assert not finishes[choice.index], "a chunk after its choice finished"
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason is not None:
+            finishes[choice.index].append(choice.finish_reason)
+    assert texts == [want, want]
+    assert finishes == [[want_finish], [want_finish]]
+    assert chunks[-1].choices == []
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 2 * want_tokens)
+
+
+def test_completions_n_seeded_choices_are_the_seeds_that_follow(base: str, name: str) -> None:
+    """Choice i * n + j answers prompt i sampled with seed + j (vLLM's seeding): each
+    equals the n=1 request with that seed, and the choices of one prompt differ."""
+    client = openai_client(base)
+    args: dict[str, Any] = {"model": name, "max_tokens": 10, "temperature": 1.5}
+    r = client.completions.create(**args, prompt=PROMPTS[:2], n=2, seed=41)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    singles = [
+        client.completions.create(**args, prompt=p, seed=41 + j).choices[0].text
+        for p in PROMPTS[:2]
+        for j in range(2)
+    ]
+    assert [c.text for c in r.choices] == singles
+    assert singles[0] != singles[1] or singles[2] != singles[3], singles
+    tokenizer_prompts = sum(
+        client.completions.create(model=name, prompt=p, max_tokens=1).usage.prompt_tokens
+        for p in PROMPTS[:2]
+    )
+    assert r.usage.prompt_tokens == tokenizer_prompts
+    # unseeded, the choices draw their own randomness
+    hot = client.completions.create(
+        model=name, prompt="Once upon a time", max_tokens=16, temperature=2.0, n=4
+    )
+    assert len({c.text for c in hot.choices}) > 1, [c.text for c in hot.choices]
+
+
 def test_stop_strings(base: str, name: str, oracle: Oracle) -> None:
     client = openai_client(base)
     prompt = PROMPTS[1]
@@ -729,7 +801,8 @@ def test_bad_inputs_get_openai_errors(base: str, name: str) -> None:
     comp = {"model": name, "prompt": "hello", "max_tokens": 2}
     cases: list[tuple[str, Any, str | None, str | None]] = [
         # route, body, param, code  (all 400)
-        ("chat", {**chat, "n": 2}, "n", None),
+        ("chat", {**chat, "n": 129}, "n", None),
+        ("chat", {**chat, "n": 0}, "n", None),
         ("chat", {**chat, "messages": []}, "messages", None),
         ("chat", {**chat, "messages": [{"role": "tool", "content": "x"}]}, "messages", None),
         ("chat", {**chat, "messages": [{"role": "user", "content": 5}]}, "messages", None),
@@ -748,7 +821,9 @@ def test_bad_inputs_get_openai_errors(base: str, name: str) -> None:
         ("comp", {**comp, "logprobs": True}, "logprobs", None),
         ("chat", {**chat, "max_tokens": 10_000}, "messages", "context_length_exceeded"),
         ("comp", {**comp, "echo": True}, "echo", None),
-        ("comp", {**comp, "n": 3}, "n", None),
+        ("comp", {**comp, "n": 129}, "n", None),
+        # more choices in all (prompts x n) than a request may have (max_inputs, 2048)
+        ("comp", {**comp, "prompt": [[1]] * 17, "n": 128}, "n", None),
         ("comp", {**comp, "prompt": []}, "prompt", None),
         ("comp", {**comp, "prompt": [1.5]}, "prompt", None),
         ("comp", {**comp, "prompt": [[1], "x"]}, "prompt", None),
@@ -798,7 +873,7 @@ def test_openai_client_errors(base: str, name: str) -> None:
         client.chat.completions.create(model="no-such-model", messages=CHAT)
     assert missing.value.code == "model_not_found"
     with pytest.raises(BadRequestError) as many:
-        client.chat.completions.create(model=name, messages=CHAT, n=2)
+        client.chat.completions.create(model=name, messages=CHAT, n=129)
     assert many.value.param == "n"
 
 
