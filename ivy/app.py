@@ -269,6 +269,11 @@ def route_table(app: IvyApp) -> list[Route]:
         return Reply(gateway().tei_info())
 
     async def tokenize(req: TokenizeRequest) -> Reply:
+        only_messages = req.messages is not None and all(
+            shape is None for shape in (req.input, req.inputs, req.prompt)
+        )
+        if only_messages:
+            return Reply(await service.tokenize_chat(req))
         return Reply(await gateway().tokenize(req))
 
     async def detokenize(req: DetokenizeRequest) -> Reply:

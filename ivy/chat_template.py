@@ -46,13 +46,25 @@ __all__ = ["ChatTemplate", "ChatTemplateError", "RenderedPrompt"]
 _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token")
 
 
+# Template variables a chat_template_kwargs may not set: the renderer's own arguments.
+_RESERVED = frozenset(
+    {"messages", "add_generation_prompt", "continue_final_message", "tools", "documents"}
+)
+# transformers' marker of the final message's end under continue_final_message
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
 # Placeholders for special-token strings found in message content: private-use code points
 # (planes 16, then 15) that occur nowhere in the messages, the template or the tokens.
 _PLACEHOLDER_RANGES = (range(0x10FFFD, 0x100000 - 1, -1), range(0xFFFFD, 0xF0000 - 1, -1))
 
 
 class ChatTemplateError(ValueError):
-    """The template rejected the conversation (``raise_exception``) or failed to render."""
+    """The template rejected the conversation (``raise_exception``) or failed to render;
+    ``param``: the request field at fault (the messages, unless an option)."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -193,13 +205,43 @@ class ChatTemplate:
         return cls(source, special)
 
     def render(
-        self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        variables: Mapping[str, object] | None = None,
     ) -> str:
-        """The prompt text for ``messages`` (dicts with ``role`` and string ``content``)."""
+        """The prompt text for ``messages`` (dicts with ``role`` and string ``content``).
+
+        ``variables`` are more template variables (vLLM's ``chat_template_kwargs``; they
+        may replace the special-token strings, not the names this call sets).
+        ``continue_final_message`` leaves the last message open, as `transformers`'
+        ``apply_chat_template`` does: its content is rendered with a tag appended and the
+        text is cut where the tag begins (and right-stripped when the template trimmed the
+        space after the tag)."""
+        chat = [dict(m) for m in messages]
+        reserved = _RESERVED.intersection(variables or ())
+        if reserved:
+            raise ChatTemplateError(
+                f"chat_template_kwargs may not set {', '.join(sorted(reserved))}: "
+                "the request's own fields do",
+                "chat_template_kwargs",
+            )
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError(
+                    "continue_final_message and add_generation_prompt cannot both be true",
+                    "continue_final_message",
+                )
+            if not chat or not isinstance(chat[-1].get("content"), str):
+                raise ChatTemplateError("continue_final_message needs a final message to continue")
+            final = str(chat[-1]["content"])
+            chat[-1]["content"] = final + _CONTINUE_TAG
         try:
-            return self._template.render(
-                **self._variables,
-                messages=[dict(m) for m in messages],
+            text = self._template.render(
+                **{**self._variables, **(variables or {})},
+                messages=chat,
                 add_generation_prompt=add_generation_prompt,
                 tools=None,
                 documents=None,
@@ -210,6 +252,17 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template failed: {exc}") from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             raise ChatTemplateError(f"the chat template failed: {exc}") from None
+        if not continue_final_message:
+            return text
+        tag = _CONTINUE_TAG.strip()
+        if final.strip() not in text or tag not in text:
+            raise ChatTemplateError(
+                "continue_final_message: the chat template drops part of the final message"
+            )
+        at = text.rindex(tag)
+        return (
+            text[:at] if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG else text[:at].rstrip()
+        )
 
     def render_prompt(
         self,
@@ -217,6 +270,8 @@ class ChatTemplate:
         special_tokens: Collection[str],
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        variables: Mapping[str, object] | None = None,
     ) -> RenderedPrompt:
         """`render`, with the special-token strings (``special_tokens``: the tokenizer's)
         that a message's ``content`` writes replaced by placeholders (see
@@ -225,13 +280,16 @@ class ChatTemplate:
         The template sees each such string as one placeholder character, so a template
         that measures or slices content sees it shorter; one that trims, splits on other
         text or tests prefixes behaves as before."""
+        options: dict[str, Any] = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "variables": variables,
+        }
         tokens = (
             special_tokens if isinstance(special_tokens, frozenset) else frozenset(special_tokens)
         )
         if not tokens:
-            return RenderedPrompt(
-                self.render(messages, add_generation_prompt=add_generation_prompt)
-            )
+            return RenderedPrompt(self.render(messages, **options))
         pattern = _special_pattern(tokens)
         found: set[str] = set()
         for m in messages:
@@ -239,11 +297,9 @@ class ChatTemplate:
             if isinstance(content, str):
                 found.update(pattern.findall(content))
         if not found:
-            return RenderedPrompt(
-                self.render(messages, add_generation_prompt=add_generation_prompt)
-            )
+            return RenderedPrompt(self.render(messages, **options))
         taken: set[str] = set(self.source)
-        for text in _strings(self._variables):
+        for text in _strings([self._variables, variables or {}]):
             taken.update(text)
         for text in _strings(list(messages)):
             taken.update(text)
@@ -266,5 +322,5 @@ class ChatTemplate:
             if isinstance(content, str):
                 copy["content"] = pattern.sub(lambda hit: placeholder[hit.group()], content)
             escaped.append(copy)
-        text = self.render(escaped, add_generation_prompt=add_generation_prompt)
+        text = self.render(escaped, **options)
         return RenderedPrompt(text, {char: token for token, char in placeholder.items()})

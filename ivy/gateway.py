@@ -250,10 +250,10 @@ class Gateway:
         its end, or (`left`) at its start, keeping the leading special tokens."""
         ids, lengths = model.tokenizer.encode_batch_packed(texts, True, None if left else cut)
         if cut is not None and left and lengths.size and int(lengths.max()) > cut:
-            ids, lengths = _cut_left(ids, lengths, cut, len(self._special_frame(model)[0]))
+            ids, lengths = _cut_left(ids, lengths, cut, len(self.special_frame(model)[0]))
         return ids, lengths
 
-    def _special_frame(self, model: ServedModel) -> tuple[np.ndarray, np.ndarray]:
+    def special_frame(self, model: ServedModel) -> tuple[np.ndarray, np.ndarray]:
         """The special token ids the tokenizer puts before a text (kept by left cuts) and
         after it, found once per model by encoding "a" with and without them."""
         frame = self._specials.get(model.name)
@@ -623,7 +623,7 @@ class Gateway:
     def _document_frame(self, model: ServedModel, prompt: str) -> tuple[np.ndarray, np.ndarray]:
         """Token ids before a late-chunked document's first chunk (the tokenizer's leading
         special tokens, then `prompt`) and after its last (the trailing special tokens)."""
-        lead, tail = self._special_frame(model)
+        lead, tail = self.special_frame(model)
         if not prompt:
             return lead, tail
         said = self._prompt_ids.get((model.name, prompt))
@@ -1070,21 +1070,21 @@ class Gateway:
         self, req: TokenizeRequest
     ) -> TokenizeResponse | list[list[TeiToken]] | VllmTokenizeResponse:
         tei, vllm = req.inputs is not None, req.prompt is not None
-        if tei + vllm + (req.input is not None) != 1:
+        # `messages` (vLLM's chat shape) is tokenized by the generation service
+        if tei + vllm + (req.input is not None) + (req.messages is not None) != 1:
             raise ValidationError(
-                "Send `input` (with `model`), `inputs` (TEI's shape) or `prompt` (vLLM's), "
-                "one of them.",
+                "Send `input` (with `model`), `inputs` (TEI's shape), `prompt` or "
+                "`messages` (vLLM's), one of them.",
                 param="input",
             )
+        specials = req.add_special_tokens is not False
         if req.input is not None and req.model is None:
             raise ValidationError("Invalid 'model': Field required.", param="model")
         model = self.model(req.model) if req.model is not None else next(iter(self.models.values()))
         if vllm:
             assert req.prompt is not None
             self._check_chars([req.prompt], "prompt")
-            enc = model.reference_tokenizer.encode(
-                req.prompt, add_special_tokens=req.add_special_tokens
-            )
+            enc = model.reference_tokenizer.encode(req.prompt, add_special_tokens=specials)
             strs = list(enc.tokens) if req.return_token_strs else None
             return VllmTokenizeResponse(
                 len(enc.ids), model.spec.max_input_tokens, list(enc.ids), strs
@@ -1098,10 +1098,10 @@ class Gateway:
         self._check_chars(texts, param)
 
         def run() -> list[tuple[list[int], list[tuple[int, int]]]]:
-            return [model.tokenizer.encode_with_offsets(t, req.add_special_tokens) for t in texts]
+            return [model.tokenizer.encode_with_offsets(t, specials) for t in texts]
 
         def run_tei() -> list[list[TeiToken]]:
-            return [model.tei_tokens(t, req.add_special_tokens) for t in texts]
+            return [model.tei_tokens(t, specials) for t in texts]
 
         inline = sum(len(t) for t in texts) <= _INLINE_CHARS
         if tei:

@@ -57,6 +57,7 @@ from ivy.logprobs import TokenPieces
 from ivy.models import GENERATOR, ServedModel
 from ivy.replicas import Replica
 from ivy.router import LOST, cancel_all, gather_or_cancel, translate
+from ivy.schemas import ChatMessage, ChatTemplateOptions, TokenizeRequest, VllmTokenizeResponse
 from ivy.tokenization import TokenizationError
 from protos import tracing
 from protos.trellis.v1 import inference_pb2 as pb
@@ -67,6 +68,7 @@ __all__ = [
     "GenerationService",
     "Outcome",
     "Prepared",
+    "chat_ids",
     "collect",
     "finish_reason",
     "merge",
@@ -319,32 +321,7 @@ class GenerationService:
                 param="top_logprobs",
             )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        template = model.chat_template
-        if template is None:
-            raise ValidationError(
-                f"The model `{req.model}` has no chat template; use /v1/completions.",
-                param="messages",
-            )
-        messages = [
-            {
-                "role": "system" if m.role == "developer" else m.role,
-                "content": m.content
-                if isinstance(m.content, str)
-                else "\n".join(part.text for part in m.content),
-            }
-            for m in req.messages
-        ]
-        try:
-            # Special-token text in the messages' content stays text: only the template
-            # places special tokens (see ivy.chat_template.RenderedPrompt).
-            prompt = template.render_prompt(
-                messages, model.tokenizer.special_tokens, add_generation_prompt=True
-            )
-        except ChatTemplateError as exc:
-            raise ValidationError(
-                f"The messages do not fit the model's chat template: {exc}", param="messages"
-            ) from None
-        ids = await _tokenize_prompt(model, prompt)
+        ids = await chat_ids(model, req.messages, req, "use /v1/completions")
         max_tokens = req.max_completion_tokens or req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         prepared = self._prepared(req, model, [ids], max_tokens, "messages", param, started)
@@ -540,6 +517,62 @@ class GenerationService:
             if again
             else functools.partial(self._open_one, prepared, ids, sampling, deadline, again=True),
         )
+
+    async def tokenize_chat(self, req: TokenizeRequest) -> VllmTokenizeResponse:
+        """vLLM's /tokenize of a conversation: the ids chat completions would generate
+        from (special tokens added around them only with ``add_special_tokens: true``)."""
+        assert req.messages is not None
+        gateway = self._gateway()
+        model = gateway.served(req.model, (GENERATOR,), "chat")
+        ids = await chat_ids(model, req.messages, req, "send `prompt` instead")
+        if req.add_special_tokens:
+            lead, tail = gateway.special_frame(model)
+            ids = np.concatenate((lead, ids, tail))
+        tokens = ids.tolist()
+        strs = None
+        if req.return_token_strs:
+            strs = [model.reference_tokenizer.id_to_token(t) or "" for t in tokens]
+        return VllmTokenizeResponse(len(tokens), model.spec.max_input_tokens, tokens, strs)
+
+
+async def chat_ids(
+    model: ServedModel,
+    messages: Sequence[ChatMessage],
+    options: ChatTemplateOptions,
+    otherwise: str,
+) -> np.ndarray:
+    """The token ids of a conversation through the model's chat template, with vLLM's
+    template options; ``otherwise`` tells a client of a model without a template what
+    to do instead."""
+    template = model.chat_template
+    if template is None:
+        raise ValidationError(
+            f"The model `{model.name}` has no chat template; {otherwise}.", param="messages"
+        )
+    conversation = [
+        {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": m.content
+            if isinstance(m.content, str)
+            else "\n".join(part.text for part in m.content),
+        }
+        for m in messages
+    ]
+    try:
+        # Special-token text in the messages' content stays text: only the template
+        # places special tokens (see ivy.chat_template.RenderedPrompt).
+        prompt = template.render_prompt(
+            conversation,
+            model.tokenizer.special_tokens,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+            variables=options.chat_template_kwargs,
+        )
+    except ChatTemplateError as exc:
+        raise ValidationError(
+            f"The messages do not fit the model's chat template: {exc}", param=exc.param
+        ) from None
+    return await _tokenize_prompt(model, prompt)
 
 
 # ---- consuming generations ---------------------------------------------------------------

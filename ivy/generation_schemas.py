@@ -12,7 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ivy.schemas import UINT32_MAX, ErrorBody
+from ivy.schemas import CLOSED as _CLOSED
+from ivy.schemas import UINT32_MAX, ChatMessage, ChatTemplateOptions, ErrorBody, TextPart
 
 __all__ = [
     "AssistantMessage",
@@ -78,34 +79,6 @@ _UNSUPPORTED = "Not supported: only its no-op value (absent, null, 0, empty) is 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
-
-
-# Message objects are documented closed: the schema lists what Ivy reads. Other keys are
-# still ignored at runtime (clients echo assistant messages back with `refusal`,
-# `tool_calls`, ...). Closed nested objects also keep schemathesis from drawing arbitrary
-# JSON for them: with `--workers 2` that intermittently fails inside Hypothesis with
-# CPython 3.11's "AST constructor recursion depth mismatch" (python/cpython#106905).
-_CLOSED = ConfigDict(json_schema_extra={"additionalProperties": False})
-
-
-class TextPart(_Strict):
-    """One part of a message's content; only text parts are accepted."""
-
-    model_config = _CLOSED
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    """A message of the conversation. ``developer`` is OpenAI's newer name for
-    ``system`` and is rendered as one."""
-
-    model_config = _CLOSED
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
-    name: str | None = None
 
 
 class StreamOptions(_Strict):
@@ -194,7 +167,7 @@ class _Sampling(_Strict):
     user: str | None = None
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(ChatTemplateOptions, _Sampling):
     """OpenAI's chat completion request (text only)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

@@ -36,7 +36,11 @@ __all__ = [
     "TeiRank",
     "TeiRankWithText",
     "TeiSparseValue",
+    "CLOSED",
     "UINT32_MAX",
+    "ChatMessage",
+    "ChatTemplateOptions",
+    "TextPart",
     "EmbeddingData",
     "EmbeddingRequest",
     "EmbeddingResponse",
@@ -85,6 +89,51 @@ EmbedInput = (
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+# Message objects are documented closed: the schema lists what Ivy reads. Other keys are
+# still ignored at runtime (clients echo assistant messages back with `refusal`,
+# `tool_calls`, ...). Closed nested objects also keep schemathesis from drawing arbitrary
+# JSON for them: with `--workers 2` that intermittently fails inside Hypothesis with
+# CPython 3.11's "AST constructor recursion depth mismatch" (python/cpython#106905).
+CLOSED = ConfigDict(json_schema_extra={"additionalProperties": False})
+
+
+class TextPart(_Strict):
+    """One part of a message's content; only text parts are accepted."""
+
+    model_config = CLOSED
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    """A message of the conversation. ``developer`` is OpenAI's newer name for
+    ``system`` and is rendered as one."""
+
+    model_config = CLOSED
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    name: str | None = None
+
+
+class ChatTemplateOptions(_Strict):
+    """vLLM's chat-template fields, shared by chat completions and /tokenize's messages."""
+
+    add_generation_prompt: bool = Field(
+        default=True, description="vLLM: end the prompt with the template's assistant opening."
+    )
+    continue_final_message: bool = Field(
+        default=False,
+        description="vLLM: leave the final (assistant) message open, for the model to "
+        "continue it (transformers' apply_chat_template); not with add_generation_prompt.",
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None,
+        description="vLLM: more variables for the chat template (e.g. Qwen3's enable_thinking).",
+    )
 
 
 class EmbeddingRequest(_Strict):
@@ -536,17 +585,20 @@ class RerankResponse:
     meta: RerankMeta
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(ChatTemplateOptions):
     """Trellis' tokenize request (`model`, `input`: ids and offsets), TEI's (`inputs`,
-    TEI 1.7.1: a list of {id, text, special, start, stop} per input) or vLLM's (`prompt`);
-    the answer follows the shape of the request. Exactly one of `input`, `inputs` and
-    `prompt` is required."""
+    TEI 1.7.1: a list of {id, text, special, start, stop} per input) or vLLM's (`prompt`,
+    or `messages` with its chat-template options); the answer follows the shape of the
+    request. Exactly one of `input`, `inputs`, `prompt` and `messages` is required."""
 
     model: str | None = Field(
         default=None, description="Required with `input`; TEI's shape: the first model."
     )
     input: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = Field(
+        default=None,
+        description="Default true; with `messages` false (the chat template places them).",
+    )
     inputs: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
     prompt_name: str | None = Field(
         default=None, description="TEI: the model's prompt of that name."
@@ -555,6 +607,11 @@ class TokenizeRequest(_Strict):
         default=None,
         description="vLLM's shape: one text, answered as {count, max_model_len, tokens, "
         "token_strs}.",
+    )
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = Field(
+        default=None,
+        description="vLLM's chat shape: a conversation, tokenized as chat completions "
+        "would generate from it; answered as `prompt` is.",
     )
     return_token_strs: bool = Field(
         default=False, description="vLLM: each token's string in `token_strs`."

@@ -33,7 +33,10 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    # Qwen3's switch: thinking off opens the answer with an empty think block
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"
 )
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -126,10 +129,9 @@ class Oracle:
         self.model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
         self.eos = int(self.model.generation_config.eos_token_id)
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
-        out = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
+    def chat_ids(self, messages: list[dict[str, str]], **options: object) -> list[int]:
+        options.setdefault("add_generation_prompt", True)
+        out = self.tokenizer.apply_chat_template(messages, tokenize=True, **options)
         return list(out["input_ids"] if "input_ids" in out else out)
 
     def greedy(self, ids: list[int]) -> tuple[list[int], str, str]:
@@ -267,3 +269,57 @@ def test_tulip_generates_transformers_ids(
     for chat, (ids, _, _) in zip(CHATS, want, strict=True):
         got = asyncio.run(generate(oracle.chat_ids(chat)))
         assert got == ids  # a finishing EOS is not emitted
+
+
+def test_vllm_chat_template_options(cluster: tuple[str, dict[str, str]], oracle: Oracle) -> None:
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking) and continue_final_message,
+    on /v1/chat/completions and /tokenize's messages: the ids `transformers`' template
+    gives with the same options, and its greedy answer from them."""
+    base, _ = cluster
+    prefill = [*CHATS[0], {"role": "assistant", "content": "It is"}]
+    cases = [
+        (
+            CHATS[0],
+            {"chat_template_kwargs": {"enable_thinking": False}},
+            {"enable_thinking": False},
+        ),
+        (
+            prefill,
+            {"add_generation_prompt": False, "continue_final_message": True},
+            {"add_generation_prompt": False, "continue_final_message": True},
+        ),
+    ]
+    with httpx.Client(base_url=base, timeout=120) as http:
+        for chat, fields, options in cases:
+            ids = oracle.chat_ids(chat, **options)
+            assert ids != oracle.chat_ids(chat[:1])  # the options change the prompt
+            r = http.post("/tokenize", json={"model": "qwen3", "messages": chat, **fields})
+            assert r.status_code == 200, r.text
+            assert r.json() == {
+                "count": len(ids),
+                "max_model_len": 512,
+                "tokens": ids,
+                "token_strs": None,
+            }
+            r = http.post("/tokenize", json={"messages": chat, "return_token_strs": True, **fields})
+            assert r.json()["token_strs"] == oracle.tokenizer.convert_ids_to_tokens(ids)
+            text = oracle.tokenizer.decode(ids, skip_special_tokens=False)
+            framed = oracle.tokenizer(text, add_special_tokens=True)["input_ids"]
+            body = {"messages": chat, "add_special_tokens": True, **fields}
+            assert http.post("/tokenize", json=body).json()["tokens"] == framed
+            _, answer, finish = oracle.greedy(ids)
+            r = http.post("/v1/chat/completions", json=_body("qwen3", chat, **fields))
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert (choice["message"]["content"], choice["finish_reason"]) == (answer, finish)
+            assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        for path in ("/tokenize", "/v1/chat/completions"):
+            for fields, param in (
+                ({"continue_final_message": True}, "continue_final_message"),
+                ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+            ):
+                r = http.post(path, json={"model": "qwen3", "messages": prefill, **fields})
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == param, r.text
+        r = http.post("/tokenize", json={"messages": CHATS[0], "prompt": "x"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text

@@ -276,7 +276,8 @@ def test_chat_template_renders_like_transformers(model_dir: Path, oracle: Oracle
         assert ids.tolist() == oracle.chat_ids(messages)
         without = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
         assert served.chat_template.render(messages, add_generation_prompt=False) == without
-    custom = ChatTemplate(CUSTOM_TEMPLATE, {"bos_token": "<s>", "eos_token": "</s>"})
+    special = {"bos_token": "<s>", "eos_token": "</s>"}
+    custom = ChatTemplate(CUSTOM_TEMPLATE, special)
     for messages in CONVERSATIONS:
         want = tok.apply_chat_template(
             messages,
@@ -287,6 +288,31 @@ def test_chat_template_renders_like_transformers(model_dir: Path, oracle: Oracle
             eos_token="</s>",
         )
         assert custom.render(messages) == want
+    # vLLM's continue_final_message and chat_template_kwargs, as transformers applies them
+    # (CUSTOM_TEMPLATE trims a final user turn, so the tag's space goes; it writes an
+    # assistant turn as JSON, whose string the cut leaves open)
+    for messages in [*CONVERSATIONS, CONVERSATIONS[2][:3]]:
+        for template, kwargs in ((served.chat_template, {}), (custom, special)):
+            source = {"chat_template": CUSTOM_TEMPLATE, **special} if kwargs else {}
+            want = tok.apply_chat_template(
+                messages, continue_final_message=True, tokenize=False, **source
+            )
+            got = template.render(
+                messages, add_generation_prompt=False, continue_final_message=True
+            )
+            assert got == want, messages
+    greeting = "{{ greeting }}|{{ bos_token }}|{{ messages | length }}"
+    want = tok.apply_chat_template(
+        CHAT, chat_template=greeting, tokenize=False, greeting="yo", bos_token="<b>"
+    )
+    variables = {"greeting": "yo", "bos_token": "<b>"}
+    assert ChatTemplate(greeting, special).render(CHAT, variables=variables) == want == "yo|<b>|2"
+    with pytest.raises(ChatTemplateError, match="may not set messages") as reserved:
+        custom.render(CHAT, variables={"messages": []})
+    assert reserved.value.param == "chat_template_kwargs"
+    with pytest.raises(ChatTemplateError, match="cannot both") as both:
+        custom.render(CHAT, continue_final_message=True)
+    assert both.value.param == "continue_final_message"
     bad = [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]
     with pytest.raises(ChatTemplateError, match="system goes first"):
         custom.render(bad)
@@ -316,6 +342,19 @@ def test_chat_matches_transformers_greedy(base: str, name: str, oracle: Oracle) 
     assert r.usage.prompt_tokens == len(ids)
     assert r.usage.completion_tokens == want_tokens
     assert r.usage.total_tokens == len(ids) + want_tokens
+
+
+def test_vllm_tokenize_of_messages_is_the_chat_prompt(base: str, name: str, oracle: Oracle) -> None:
+    """vLLM's /tokenize with `messages`: the ids transformers' chat template gives, which
+    are the ids chat completions generate from (usage counts them)."""
+    ids = oracle.chat_ids(CHAT)
+    r = httpx.post(f"{base}/tokenize", json={"model": name, "messages": CHAT}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"count": len(ids), "max_model_len": 8192, "tokens": ids, "token_strs": None}
+    chat = openai_client(base).chat.completions.create(
+        model=name, messages=CHAT, max_tokens=1, temperature=0
+    )
+    assert chat.usage.prompt_tokens == len(ids)
 
 
 def test_chat_stream_equals_non_stream(base: str, name: str, oracle: Oracle) -> None:
