@@ -410,11 +410,23 @@ class GenerationService:
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=_logit_bias(req.logit_bias, model.spec.vocab_size),
+            repetition_penalty=req.repetition_penalty or 0.0,
+            min_p=req.min_p or 0.0,
+            min_tokens=_min_tokens(req.min_tokens, max_tokens),
+            stop_token_ids=_stop_token_ids(req.stop_token_ids, model.spec.vocab_size),
+            ignore_eos=bool(req.ignore_eos),
         )
         if req.seed is not None:
             sampling.seed = req.seed % 2**64
         if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
             sampling.response_format.CopyFrom(_response_format(req.response_format))
+            for name in ("ignore_eos", "min_tokens"):
+                if getattr(req, name) and sampling.response_format.type:
+                    raise ValidationError(
+                        f"{name} cannot be used with a response_format (the format ends "
+                        "the answer).",
+                        param=name,
+                    )
         n = req.n or 1
         if n > 1:
             self._gateway().check_count(len(prompts) * n, "n", "choices (prompts x n)")
@@ -701,6 +713,25 @@ def _logit_bias(bias: dict[str, float] | None, vocab_size: int) -> dict[int, flo
             )
         out[token] = value
     return out
+
+
+def _min_tokens(min_tokens: int | None, max_tokens: int | None) -> int:
+    if min_tokens and max_tokens is not None and min_tokens > max_tokens:
+        raise ValidationError(
+            f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens}).",
+            param="min_tokens",
+        )
+    return min_tokens or 0
+
+
+def _stop_token_ids(ids: list[int] | None, vocab_size: int) -> list[int]:
+    for token in ids or ():
+        if vocab_size and token >= vocab_size:
+            raise ValidationError(
+                f"stop_token_ids: {token} is not a token id of this model (0 to {vocab_size - 1}).",
+                param="stop_token_ids",
+            )
+    return list(ids or ())
 
 
 def _response_format(fmt: ResponseFormat) -> pb.ResponseFormat:

@@ -66,6 +66,8 @@ MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 # OpenAI's limit on choices per prompt (n).
 MAX_CHOICES = 128
+# Most stop_token_ids one request may send (vLLM sets none; this keeps the wire small).
+MAX_STOP_TOKEN_IDS = 1024
 
 
 # Fields Ivy does not implement whose use would change the answer: accepted at their no-op
@@ -161,6 +163,27 @@ class _Sampling(_Strict):
     logit_bias: dict[str, LogitBias] | None = Field(
         default=None,
         description="Token id (as a string) -> bias added to its logit (OpenAI's).",
+    )
+    # vLLM's sampling extensions
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] | None = Field(
+        default=None,
+        description="vLLM: a token seen in the prompt or output has a positive logit "
+        "divided by this, a negative one multiplied (1: off).",
+    )
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = Field(
+        default=None,
+        description="vLLM: drop tokens under min_p times the likeliest one's probability.",
+    )
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = Field(
+        default=None,
+        description="vLLM: no EOS, stop token or stop string ends the answer before this "
+        "many tokens (at most max_tokens).",
+    )
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = Field(
+        default=None, description="vLLM: token ids that end the answer, like EOS."
+    )
+    ignore_eos: bool | None = Field(
+        default=None, description="vLLM: keep generating past the model's EOS."
     )
     stream: bool | None = False
     stream_options: StreamOptions | None = None

@@ -385,7 +385,7 @@ class GenerationEngine:
 
     @staticmethod
     def _adjust(batch: list[Scheduled], out: PassOutput) -> None:
-        """Apply, in place, every emitting request's logit bias and penalties
+        """Apply, in place, every emitting request's logit bias, min_tokens and penalties
         (`rose.sampling.adjust_logits`) to its logits rows, each row after the tokens
         generated so far and the drafts before it."""
         for i, s in enumerate(batch):
@@ -393,7 +393,14 @@ class GenerationEngine:
             if r.params.adjusts_logits and s.emits:
                 row = out.rows[i]
                 rows = out.logits[row : row + len(s.drafts) + 1]
-                adjust_logits(rows, r.output_ids, s.drafts, r.params)
+                adjust_logits(
+                    rows,
+                    r.output_ids,
+                    s.drafts,
+                    r.params,
+                    prompt=r.tokens[: r.prompt_len],
+                    stop_ids=r.stopper.stop_ids,
+                )
 
     @staticmethod
     def _mask(batch: list[Scheduled], out: PassOutput) -> None:

@@ -15,7 +15,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,8 +64,14 @@ class SamplingParams:
     presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: a token's logit is lowered
     by ``frequency_penalty * c + presence_penalty * (c > 0)``, c its count among the tokens
     generated so far. logit_bias: (token id, bias in [-100, 100]) pairs added to those
-    tokens' logits (OpenAI's). Both apply before temperature, top-k and top-p
-    (`adjust_logits`).
+    tokens' logits (OpenAI's). repetition_penalty: vLLM's and transformers' (> 0, 1 off):
+    a token seen in the prompt or the output so far has a positive logit divided by it and
+    a negative one multiplied. min_tokens: the stop ids (EOS unless ignore_eos, and
+    stop_token_ids) are masked, and stop strings not looked for, until this many tokens
+    are out (vLLM's). All of these apply before temperature, top-k and top-p
+    (`adjust_logits`), in vLLM's order: bias and min_tokens, repetition, then presence and
+    frequency. min_p: after temperature, keep the tokens whose probability is at least
+    min_p times the likeliest one's (vLLM's, 0 off), before top-k and top-p.
     """
 
     max_tokens: int = 256
@@ -81,6 +87,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -107,6 +116,20 @@ class SamplingParams:
                     f"got {getattr(self, name)}"
                 )
 
+        if not (0.0 < self.repetition_penalty < float("inf")):  # NaN fails too
+            raise ValueError(
+                f"sampling.repetition_penalty must be a finite number > 0, got "
+                f"{self.repetition_penalty}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"sampling.min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"sampling.min_tokens must be in 0..max_tokens ({self.max_tokens}), got "
+                f"{self.min_tokens}"
+            )
+        if self.min_tokens and self.response_format is not None:
+            raise ValueError("sampling.min_tokens cannot be used with a response_format")
         for token, bias in self.logit_bias:
             if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(
@@ -117,7 +140,13 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether `adjust_logits` changes anything for this request."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:
@@ -133,28 +162,47 @@ class SamplingParams:
 
 
 def adjust_logits(
-    logits: torch.Tensor, generated: Sequence[int], drafts: Sequence[int], params: SamplingParams
+    logits: torch.Tensor,
+    generated: Sequence[int],
+    drafts: Sequence[int],
+    params: SamplingParams,
+    *,
+    prompt: Sequence[int] = (),
+    stop_ids: Collection[int] = (),
 ) -> None:
-    """Apply the request's logit bias and its presence and frequency penalties, in place,
-    to the logits ``[n, V]`` of its ``n = len(drafts) + 1`` verified rows: row j follows
-    the tokens `generated` so far and ``drafts[:j]``, so each row is penalized as plain
-    decoding would penalize that position."""
+    """Apply the request's logit bias, min_tokens and penalties, in place, to the logits
+    ``[n, V]`` of its ``n = len(drafts) + 1`` verified rows: row j follows the tokens
+    `generated` so far and ``drafts[:j]``, so each row is adjusted as plain decoding would
+    adjust that position. ``prompt``: the request's prompt ids (repetition_penalty counts
+    them); ``stop_ids``: the ids min_tokens holds back (`StopChecker.stop_ids`)."""
     n, vocab = logits.shape
+    device = logits.device
     if params.logit_bias:
-        ids = torch.tensor([t for t, _ in params.logit_bias], device=logits.device)
-        bias = torch.tensor([b for _, b in params.logit_bias], device=logits.device)
+        ids = torch.tensor([t for t, _ in params.logit_bias], device=device)
+        bias = torch.tensor([b for _, b in params.logit_bias], device=device)
         logits[:, ids] += bias.to(logits.dtype)
-    if not (params.presence_penalty or params.frequency_penalty):
+    early = min(n, params.min_tokens - len(generated))  # rows before min_tokens
+    if early > 0 and stop_ids:
+        logits[:early, torch.tensor(sorted(stop_ids), device=device)] = float("-inf")
+    if not (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1):
         return
-    counts = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device)
+    counts = torch.zeros(n, vocab, dtype=torch.float32, device=device)
     if generated:
-        seen = torch.tensor(generated, dtype=torch.int64, device=logits.device)
+        seen = torch.tensor(generated, dtype=torch.int64, device=device)
         counts += torch.bincount(seen, minlength=vocab)[:vocab].float()
     if n > 1:  # row j also counts drafts 0..j-1
-        d = torch.tensor(drafts[: n - 1], dtype=torch.int64, device=logits.device)
-        steps = torch.zeros(n, vocab, dtype=torch.float32, device=logits.device)
-        steps[torch.arange(1, n, device=logits.device), d] = 1.0
+        d = torch.tensor(drafts[: n - 1], dtype=torch.int64, device=device)
+        steps = torch.zeros(n, vocab, dtype=torch.float32, device=device)
+        steps[torch.arange(1, n, device=device), d] = 1.0
         counts += steps.cumsum(0)
+    if params.repetition_penalty != 1:
+        seen = counts > 0
+        if prompt:
+            seen[:, torch.tensor(prompt, dtype=torch.int64, device=device)] = True
+        rp = params.repetition_penalty
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits))
+    if not (params.presence_penalty or params.frequency_penalty):
+        return
     penalty = counts * params.frequency_penalty + (counts > 0).float() * params.presence_penalty
     logits.sub_(penalty.to(logits.dtype))
 
@@ -167,6 +215,11 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         out = torch.zeros_like(logits)
         return out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
+    if params.min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(
+            probs < params.min_p * probs.amax(-1, keepdim=True), float("-inf")
+        )
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -257,9 +310,14 @@ class StopChecker:
         return token in self.stop_ids
 
     def check(self, output_ids: list[int]) -> FinishReason | None:
-        """Call after appending a (non-stop-id) token to ``output_ids``."""
+        """Call after appending a (non-stop-id) token to ``output_ids``. Stop strings are
+        looked for once more than ``min_tokens`` tokens are out, in the text from where it
+        stood then (vLLM's rule: one that ended earlier does not count)."""
         if self.params.stop and self.detokenize is not None:
             text = self.detokenize(output_ids)
+            if len(output_ids) <= self.params.min_tokens:
+                self._searched = max(0, len(text) - 1)
+                return None
             start = max(0, self._searched - self._longest_stop + 1)
             hits = [i for s in self.params.stop if (i := text.find(s, start)) >= 0]
             if hits:

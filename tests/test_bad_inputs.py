@@ -446,6 +446,28 @@ def chat() -> list[Case]:
             param="response_format",
         ),
         post("presence-penalty-3", p, with_(p, presence_penalty=3), param="presence_penalty"),
+        post("repetition-penalty-0", p, with_(p, repetition_penalty=0), param="repetition_penalty"),
+        post("min-p-1.5", p, with_(p, min_p=1.5), param="min_p"),
+        post("min-tokens-over-max", p, with_(p, min_tokens=9, max_tokens=8), param="min_tokens"),
+        post(
+            "stop-token-id-out-of-vocab",
+            p,
+            with_(p, stop_token_ids=[SMOL_VOCAB]),
+            param="stop_token_ids",
+        ),
+        post("ignore-eos-string", p, with_(p, ignore_eos="yes"), param="ignore_eos"),
+        post(
+            "ignore-eos-with-json",
+            p,
+            with_(p, ignore_eos=True, response_format={"type": "json_object"}),
+            param="ignore_eos",
+        ),
+        post(
+            "min-tokens-with-json",
+            p,
+            with_(p, min_tokens=2, response_format={"type": "json_object"}),
+            param="min_tokens",
+        ),
         post(
             "frequency-penalty-under",
             p,
@@ -503,6 +525,14 @@ def completions() -> list[Case]:
         post("n-129", p, with_(p, n=129), param="n"),
         post("n-string", p, with_(p, n="2"), param="n"),
         post("presence-penalty-3", p, with_(p, presence_penalty=-3), param="presence_penalty"),
+        post(
+            "repetition-penalty-negative",
+            p,
+            with_(p, repetition_penalty=-1),
+            param="repetition_penalty",
+        ),
+        post("min-tokens-over-default-max", p, with_(p, min_tokens=17), param="min_tokens"),
+        post("stop-token-ids-negative", p, with_(p, stop_token_ids=[-1]), param="stop_token_ids"),
         post("logit-bias-negative-id", p, with_(p, logit_bias={"-1": 1}), param="logit_bias"),
         post(
             "stream-options-without-stream", p, with_(p, stream_options={}), param="stream_options"

@@ -10,6 +10,7 @@ that kills a replica mid-stream runs last because it changes the cluster.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -619,20 +620,30 @@ LOGPROB_TOL = 1e-4  # fp32 on both sides; the engine's logits match transformers
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir: Path) -> Callable[[list[int], list[int]], Any]:
-    """log_softmax of `transformers`' fp32 logits at each position that produced an
-    output token: ``f(prompt, output) -> [len(output), V]``."""
+def raw_logits(model_dir: Path) -> Callable[[list[int], list[int]], Any]:
+    """`transformers`' fp32 logits at each position that produced an output token:
+    ``f(prompt, output) -> [len(output), V]``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
-    def logprobs(prompt: list[int], output: list[int]) -> torch.Tensor:
+    def logits(prompt: list[int], output: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + output])).logits[0].float()  # [T, V]
-        return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+            rows = model(torch.tensor([prompt + output])).logits[0].float()  # [T, V]
+        return rows[len(prompt) - 1 : -1]
 
-    return logprobs
+    return logits
+
+
+@pytest.fixture(scope="module")
+def reference(
+    raw_logits: Callable[[list[int], list[int]], Any],
+) -> Callable[[list[int], list[int]], Any]:
+    """log_softmax of `raw_logits`: ``f(prompt, output) -> [len(output), V]``."""
+    import torch
+
+    return lambda prompt, output: torch.log_softmax(raw_logits(prompt, output), dim=-1)
 
 
 @pytest.mark.parametrize(
@@ -679,6 +690,92 @@ def test_penalties_and_logit_bias_equal_transformers(
     )
     assert r.choices[0].text == want
     assert r.usage.completion_tokens == len(out) + (len(out) < budget)  # EOS counts
+
+
+def _vllm_greedy(
+    raw_logits: Callable[[list[int], list[int]], Any],
+    prompt: list[int],
+    budget: int,
+    *,
+    repetition: float = 1.0,
+    min_tokens: int = 0,
+    stop_ids: tuple[int, ...] = (),
+) -> list[int]:
+    """Greedy decoding by transformers' own logits processors (RepetitionPenalty over
+    prompt + output, MinNewTokensLength masking the stop ids), up to a stop id (not kept)."""
+    import torch
+    from transformers import MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor
+
+    processors = [
+        MinNewTokensLengthLogitsProcessor(len(prompt), min_tokens, list(stop_ids)),
+        RepetitionPenaltyLogitsProcessor(repetition),
+    ]
+    out: list[int] = []
+    while len(out) < budget:
+        ids = torch.tensor([prompt + out])
+        scores = raw_logits(prompt, [*out, 0])[-1:].clone()  # the next token's, [1, V]
+        for process in processors:
+            scores = process(ids, scores)
+        token = int(scores.argmax())
+        if token in stop_ids:
+            break
+        out.append(token)
+    return out
+
+
+def test_vllm_sampling_extensions_equal_transformers(
+    base: str, name: str, oracle: Oracle, raw_logits: Callable[[list[int], list[int]], Any]
+) -> None:
+    """vLLM's repetition_penalty, min_tokens, ignore_eos and stop_token_ids (silently
+    ignored before) through Ivy and Tulip: greedy output equals transformers' greedy loop
+    under its own logits processors for the same settings."""
+    client = openai_client(base)
+    eos = oracle.tokenizer.eos_token_id
+    decode = functools.partial(oracle.tokenizer.decode, skip_special_tokens=True)
+    # repetition_penalty, over the prompt's tokens too (a list whose commas repeat)
+    prompt = oracle.tokenizer(PROMPTS[1])["input_ids"]
+    for repetition in (1.3, 0.8):
+        out = _vllm_greedy(raw_logits, prompt, 20, repetition=repetition, stop_ids=(eos,))
+        assert decode(out) != oracle.greedy(prompt, 20)[0]  # the request changes it
+        r = client.completions.create(
+            model=name,
+            prompt=PROMPTS[1],
+            max_tokens=20,
+            temperature=0,
+            extra_body={"repetition_penalty": repetition},
+        )
+        assert r.choices[0].text == decode(out), repetition
+    # min_tokens holds the EOS back; ignore_eos runs past it to max_tokens
+    chat = oracle.chat_ids(TWO_PLUS_TWO)
+    short = oracle.greedy_ids(chat, 24)
+    assert oracle.greedy(chat, 24)[2] == "stop" and len(short) < 12
+    for extra, want in (
+        ({"min_tokens": 12}, _vllm_greedy(raw_logits, chat, 24, min_tokens=12, stop_ids=(eos,))),
+        ({"ignore_eos": True}, _vllm_greedy(raw_logits, chat, 24)),
+    ):
+        assert len(want) > len(short) and want[: len(short)] == short, extra
+        r = client.chat.completions.create(
+            model=name, messages=TWO_PLUS_TWO, max_tokens=24, temperature=0, extra_body=extra
+        )
+        finish = "length" if len(want) == 24 else "stop"
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (
+            decode(want),
+            finish,
+        ), extra
+        assert r.usage.completion_tokens == len(want) + (finish == "stop")  # EOS counts
+    # stop_token_ids end the answer like EOS, the stop token not shown
+    stop = short[2]
+    r = client.chat.completions.create(
+        model=name,
+        messages=TWO_PLUS_TWO,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop]},
+    )
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (
+        decode(short[: short.index(stop)]),
+        "stop",
+    )
 
 
 def _check_alternatives(

@@ -142,6 +142,9 @@ class GenerateWork:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def sampling_kwargs(self, max_tokens: int) -> dict[str, object]:
         """Keyword arguments of `rose.sampling.SamplingParams` (``max_tokens`` resolved)."""
@@ -159,6 +162,9 @@ class GenerateWork:
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": self.logit_bias,
+            "repetition_penalty": self.repetition_penalty,
+            "min_p": self.min_p,
+            "min_tokens": self.min_tokens,
         }
 
 
@@ -237,7 +243,22 @@ def generate_work(request: pb.GenerateRequest, limits: ModelLimits) -> GenerateW
                 f"sampling.logit_bias[{token}]: must be in [-{MAX_LOGIT_BIAS}, "
                 f"{MAX_LOGIT_BIAS}], got {bias}"
             )
+    repetition = s.repetition_penalty or 1.0
+    if not 0.0 < repetition < math.inf:  # NaN fails too
+        raise InvalidInput(
+            f"sampling.repetition_penalty: must be a finite number > 0 (0 means 1), got "
+            f"{s.repetition_penalty}"
+        )
+    if not 0.0 <= s.min_p <= 1.0:
+        raise InvalidInput(f"sampling.min_p: must be in [0, 1], got {s.min_p}")
+    if s.min_tokens > (max_tokens or room):
+        raise InvalidInput(
+            f"sampling.min_tokens: {s.min_tokens} exceeds max_tokens ({max_tokens or room})"
+        )
     return GenerateWork(
+        repetition_penalty=float(repetition),
+        min_p=float(s.min_p),
+        min_tokens=int(s.min_tokens),
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
         response_format=_response_format(s),
         logprobs=logprobs,
