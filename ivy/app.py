@@ -61,6 +61,8 @@ from ivy.replicas import ReplicaPool
 from ivy.routes import Reply, Route, match_path
 from ivy.schemas import (
     VERSION,
+    ClassifyRequest,
+    ClassifyResponse,
     CohereEmbedRequest,
     CohereEmbedResponse,
     ContextualizedEmbeddingRequest,
@@ -240,6 +242,9 @@ def route_table(app: IvyApp) -> list[Route]:
     async def score(req: ScoreRequest, timings: Timings) -> ScoreResponse:
         return await gateway().score(req, timings)
 
+    async def classify(req: ClassifyRequest, timings: Timings) -> ClassifyResponse:
+        return await gateway().classify(req, timings)
+
     async def tei_embed(req: TeiEmbedRequest, timings: Timings) -> np.ndarray:
         return await gateway().tei_embed(req, timings)
 
@@ -358,6 +363,15 @@ def route_table(app: IvyApp) -> list[Route]:
         ),
         *rerank_routes,
         *score_routes,
+        Route(
+            "POST",
+            "/classify",
+            _timed(metrics, "/classify", classify),
+            ClassifyRequest,
+            ClassifyResponse,
+            "Classify texts: each one's class probabilities and likeliest label (vLLM)",
+            errors=errors,
+        ),
         Route(
             "POST",
             "/v2/embed",

@@ -25,6 +25,9 @@ from ivy.schemas import (
     RERANK_META,
     VERSION,
     ApiVersion,
+    ClassifyData,
+    ClassifyRequest,
+    ClassifyResponse,
     CohereBilledUnits,
     CohereEmbedRequest,
     CohereEmbedResponse,
@@ -715,15 +718,81 @@ class Gateway:
                 "template: send each input as a pair of texts.",
                 param="inputs",
             )
+        logits, _ = await self._class_logits(
+            model, template, items, limit if cut else None, left, "inputs", timings
+        )
+        scores = logits if req.raw_scores else _class_probabilities(logits)
+        names = _label_names(model, scores.shape[1])
+        ranked = [
+            [TeiPrediction(float(row[j]), names[j]) for j in np.argsort(-row, kind="stable")]
+            for row in scores
+        ]
+        return ranked if batch else ranked[0]
+
+    async def classify(self, req: ClassifyRequest, timings: Timings) -> ClassifyResponse:
+        """vLLM's /classify: each text's class probabilities (a sigmoid for one label, a
+        softmax over several; the logits with `use_activation: false`) and its likeliest
+        label."""
+        model = self.served(req.model, (CROSS_ENCODER,), "classify text")
+        texts = [req.input] if isinstance(req.input, str) else list(req.input)
+        self.check_count(len(texts), "input")
+        self._check_chars(texts, "input")
+        left = req.truncation_side == "left"
+        if _pair_template(model, left, "truncation_side") is not None:
+            raise ValidationError(
+                f"The model `{model.name}` scores (query, document) pairs through its chat "
+                "template; use /score or /rerank.",
+                param="model",
+            )
+        max_length = _truncation(model.spec.max_input_tokens, req.truncate_prompt_tokens)
+        asked = "truncate_prompt_tokens" if max_length is not None else None
+        with _cut_named(asked):
+            logits, tokens = await self._class_logits(
+                model,
+                None,
+                [[t] for t in texts],
+                max_length,
+                left,
+                "input",
+                timings,
+                fix=_SCORE_TRUNCATE,
+            )
+        probs = logits if req.use_activation is False else _class_probabilities(logits)
+        names = _label_names(model, probs.shape[1])
+        data = [
+            ClassifyData(i, names[int(np.argmax(row))], row.tolist(), probs.shape[1])
+            for i, row in enumerate(probs)
+        ]
+        return ClassifyResponse(
+            f"classify-{uuid.uuid4().hex}",
+            int(time.time()),
+            model.name,
+            data,
+            Usage(tokens, tokens),
+        )
+
+    async def _class_logits(
+        self,
+        model: ServedModel,
+        template: PairTemplate | None,
+        items: Sequence[Sequence[str]],
+        max_length: int | None,
+        left: bool,
+        param: str,
+        timings: Timings,
+        fix: str = OPENAI_FIELDS.truncate,
+    ) -> tuple[np.ndarray, int]:
+        """A cross-encoder's logits [len(items), labels] (fp64) of `items` (texts or pairs,
+        `_pairs`), cut to `max_length` (None: one over the model's limit is a 400 naming
+        `param`, saying to `fix` it), and the tokens they took."""
+        name, limit = model.name, model.spec.max_input_tokens
         t0 = time.perf_counter()
         deadline, claim = self._admit(name, [t for item in items for t in item])
         with claim:
             with tracing.span("tokenize", inputs=len(items)):
-                ids, lengths, first = self._pairs(
-                    model, template, items, limit if cut else None, left
-                )
-                if not cut:
-                    _check_lengths(lengths, limit, "inputs")
+                ids, lengths, first = self._pairs(model, template, items, max_length, left)
+                if max_length is None:
+                    _check_lengths(lengths, limit, param, fix)
             timings.tokenize_s = time.perf_counter() - t0
             t1 = time.perf_counter()
             logits, timings.chunks, timings.replica_s = await self.router.score(
@@ -731,20 +800,7 @@ class Gateway:
             )
             timings.inference_s = time.perf_counter() - t1
         self.metrics.input_tokens.labels(model=name).inc(int(ids.size))
-        logits = logits.reshape(len(items), -1).astype(np.float64)
-        if req.raw_scores:
-            scores = logits
-        elif logits.shape[1] == 1:
-            scores = 1.0 / (1.0 + np.exp(-logits))
-        else:
-            shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-            scores = shifted / shifted.sum(axis=1, keepdims=True)
-        names = model.spec.labels or tuple(f"LABEL_{i}" for i in range(scores.shape[1]))
-        ranked = [
-            [TeiPrediction(float(row[j]), names[j]) for j in np.argsort(-row, kind="stable")]
-            for row in scores
-        ]
-        return ranked if batch else ranked[0]
+        return logits.reshape(len(items), -1).astype(np.float64), int(ids.size)
 
     def _pairs(
         self,
@@ -1173,6 +1229,20 @@ def _cut_named(param: str | None) -> Iterator[None]:
         if param is None:
             raise
         raise ValidationError(f"{param} is too small: {exc}.", param=param) from None
+
+
+def _class_probabilities(logits: np.ndarray) -> np.ndarray:
+    """A classifier's probabilities from its logits [N, labels]: the sigmoid for one
+    label, else the softmax over the labels (as TEI, vLLM and sentence-transformers)."""
+    if logits.shape[1] == 1:
+        return 1.0 / (1.0 + np.exp(-logits))
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def _label_names(model: ServedModel, count: int) -> tuple[str, ...]:
+    """The model's label names (config.json's id2label), or LABEL_i as transformers names them."""
+    return model.spec.labels or tuple(f"LABEL_{i}" for i in range(count))
 
 
 def _truncation(limit: int, tokens: int | None) -> int | None:

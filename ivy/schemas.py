@@ -39,6 +39,9 @@ __all__ = [
     "CLOSED",
     "UINT32_MAX",
     "ChatMessage",
+    "ClassifyData",
+    "ClassifyRequest",
+    "ClassifyResponse",
     "ChatTemplateOptions",
     "TextPart",
     "EmbeddingData",
@@ -498,6 +501,41 @@ class ScoreResponse:
     model: str
     data: list[ScoreData]
     usage: ScoreUsage
+    object: str = "list"
+
+
+class ClassifyRequest(_Strict):
+    """vLLM's /classify request: texts through a sequence classifier (a cross-encoder's
+    model read one text at a time)."""
+
+    model: str | None = Field(default=None, description="Default: the first cross-encoder.")
+    input: ScoreTexts
+    truncate_prompt_tokens: TruncateTokens | None = Field(
+        default=None,
+        description="Cut each text to this many tokens (-1: the model's limit); default: a "
+        "text over the limit is a 400.",
+    )
+    truncation_side: Literal["left", "right"] | None = None
+    use_activation: bool | None = Field(
+        default=None, description="false: the logits instead of the probabilities."
+    )
+
+
+@dataclass(slots=True)
+class ClassifyData:
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+@dataclass(slots=True)
+class ClassifyResponse:
+    id: str
+    created: int
+    model: str
+    data: list[ClassifyData]
+    usage: Usage
     object: str = "list"
 
 

@@ -583,6 +583,11 @@ def other_routes() -> list[Case]:
         req("method:options-embeddings", "OPTIONS", EMBED, 405),
         req("method:post-health-live", "POST", "/health/live", 405),
         req("method:get-completions", "GET", COMPLETIONS, 405, good=COMPLETIONS),
+        # vLLM's /classify needs a classifier (a cross-encoder); this stack serves none
+        post("embedder", "/classify", dumps({"model": E5, "input": "x"}), param="model"),
+        post("no-input", "/classify", dumps({"model": E5}), param="input"),
+        post("empty-input", "/classify", dumps({"input": []}), param="input"),
+        post("chat-model", "/classify", dumps({"model": SMOL, "input": ["x"]}), param="model"),
     ]
 
 

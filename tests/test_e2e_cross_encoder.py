@@ -435,6 +435,56 @@ def test_tei_predict_matches_transformers(
     )
 
 
+def test_vllm_classify_matches_transformers(
+    clusters: dict[str, UpCluster], model_dirs: dict[str, Path], oracles: dict[str, Any]
+) -> None:
+    """vLLM's /classify: each text's softmax over the labels in label order, the likeliest
+    label by name, the logits with `use_activation: false`; `truncate_prompt_tokens` cuts
+    a long text as transformers' tokenizer does (else a 400); a one-label model's sigmoid."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    directory = model_dirs[CLASSIFIER]
+    tok = AutoTokenizer.from_pretrained(directory)
+    model = AutoModelForSequenceClassification.from_pretrained(directory).eval()
+
+    def logits(texts: list[str], max_length: int | None = None) -> np.ndarray:
+        with torch.no_grad():
+            cut = {"truncation": True, "max_length": max_length} if max_length else {}
+            batch = tok(texts, return_tensors="pt", padding=True, **cut)
+            return model(**batch).logits.double().numpy()
+
+    texts = DOCS[:3]
+    want = logits(texts)
+    probs = np.exp(want) / np.exp(want).sum(axis=1, keepdims=True)
+    with httpx.Client(base_url=clusters[CLASSIFIER].base_url, timeout=60) as client:
+        r = client.post("/classify", json={"input": texts})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "list" and body["id"].startswith("classify-")
+        assert [d["index"] for d in body["data"]] == [0, 1, 2]
+        assert [d["label"] for d in body["data"]] == [LABELS[i] for i in want.argmax(1)]
+        assert {d["num_classes"] for d in body["data"]} == {len(LABELS)}
+        np.testing.assert_allclose([d["probs"] for d in body["data"]], probs, atol=ATOL)
+        tokens = sum(len(tok(t)["input_ids"]) for t in texts)
+        assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+        raw = client.post("/classify", json={"input": texts[0], "use_activation": False})
+        np.testing.assert_allclose(raw.json()["data"][0]["probs"], want[0], atol=ATOL)
+        long = " ".join(DOCS) * 20
+        refused = client.post("/classify", json={"input": [long]})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["code"] == "context_length_exceeded"
+        cut = client.post("/classify", json={"input": [long], "truncate_prompt_tokens": 16})
+        np.testing.assert_allclose(
+            cut.json()["data"][0]["probs"],
+            np.exp(logits([long], 16)[0]) / np.exp(logits([long], 16)[0]).sum(),
+            atol=ATOL,
+        )
+    with httpx.Client(base_url=clusters["bert"].base_url, timeout=60) as client:
+        (got,) = client.post("/classify", json={"input": QUERY}).json()["data"]
+    assert (got["label"], got["num_classes"]) == ("LABEL_0", 1)
+    np.testing.assert_allclose(got["probs"], predict_single(oracles["bert"], [QUERY]), atol=ATOL)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cohere_client_matches_cross_encoder(
     family: str, clusters: dict[str, UpCluster], oracles: dict[str, Any]
