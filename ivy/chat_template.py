@@ -72,7 +72,8 @@ class RenderedPrompt:
     """A rendered conversation, ready for `TextTokenizer.encode_prompt`.
 
     ``text`` is the template's output, except that every special-token string the
-    messages' content wrote is one placeholder character; ``literals`` maps each
+    messages (their content, tool calls and answers) or the tools wrote is one placeholder
+    character; ``literals`` maps each
     placeholder to that string (empty when the content wrote none: then ``text`` is exactly
     `ChatTemplate.render`'s output)."""
 
@@ -122,6 +123,18 @@ def _token_text(value: object) -> str | None:
     if isinstance(value, Mapping) and isinstance(value.get("content"), str):
         return str(value["content"])
     return None
+
+
+def _written(
+    messages: Sequence[Mapping[str, object]], tools: Sequence[Mapping[str, object]] | None
+) -> Iterator[str]:
+    """Every string the client wrote into the messages (their content, tool calls and
+    tool answers; not the roles) and the tools."""
+    for m in messages:
+        for key, value in m.items():
+            if key != "role":
+                yield from _strings(value)
+    yield from _strings(list(tools or []))
 
 
 @functools.lru_cache(maxsize=16)
@@ -211,9 +224,11 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         variables: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> str:
         """The prompt text for ``messages`` (dicts with ``role`` and string ``content``).
 
+        ``tools``: the request's tools (OpenAI's objects), the template's ``tools``.
         ``variables`` are more template variables (vLLM's ``chat_template_kwargs``; they
         may replace the special-token strings, not the names this call sets).
         ``continue_final_message`` leaves the last message open, as `transformers`'
@@ -243,7 +258,7 @@ class ChatTemplate:
                 **{**self._variables, **(variables or {})},
                 messages=chat,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=[dict(t) for t in tools] if tools else None,
                 documents=None,
             )
         except ChatTemplateError:
@@ -272,6 +287,7 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         variables: Mapping[str, object] | None = None,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> RenderedPrompt:
         """`render`, with the special-token strings (``special_tokens``: the tokenizer's)
         that a message's ``content`` writes replaced by placeholders (see
@@ -284,6 +300,7 @@ class ChatTemplate:
             "add_generation_prompt": add_generation_prompt,
             "continue_final_message": continue_final_message,
             "variables": variables,
+            "tools": tools,
         }
         tokens = (
             special_tokens if isinstance(special_tokens, frozenset) else frozenset(special_tokens)
@@ -292,14 +309,12 @@ class ChatTemplate:
             return RenderedPrompt(self.render(messages, **options))
         pattern = _special_pattern(tokens)
         found: set[str] = set()
-        for m in messages:
-            content = m.get("content")
-            if isinstance(content, str):
-                found.update(pattern.findall(content))
+        for text in _written(messages, tools):
+            found.update(pattern.findall(text))
         if not found:
             return RenderedPrompt(self.render(messages, **options))
         taken: set[str] = set(self.source)
-        for text in _strings([self._variables, variables or {}]):
+        for text in _strings([self._variables, variables or {}, list(tools or [])]):
             taken.update(text)
         for text in _strings(list(messages)):
             taken.update(text)
@@ -315,12 +330,17 @@ class ChatTemplate:
                     "for the special-token text in their content"
                 )
             placeholder[token] = char
-        escaped = []
-        for m in messages:
-            copy = dict(m)
-            content = copy.get("content")
-            if isinstance(content, str):
-                copy["content"] = pattern.sub(lambda hit: placeholder[hit.group()], content)
-            escaped.append(copy)
+
+        def escape(value: object) -> Any:
+            if isinstance(value, str):
+                return pattern.sub(lambda hit: placeholder[hit.group()], value)
+            if isinstance(value, Mapping):
+                return {k: escape(v) for k, v in value.items()}
+            if isinstance(value, list | tuple):
+                return [escape(v) for v in value]
+            return value
+
+        escaped = [{k: v if k == "role" else escape(v) for k, v in m.items()} for m in messages]
+        options["tools"] = escape(list(tools)) if tools else None
         text = self.render(escaped, **options)
         return RenderedPrompt(text, {char: token for token, char in placeholder.items()})

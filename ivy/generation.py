@@ -59,6 +59,7 @@ from ivy.replicas import Replica
 from ivy.router import LOST, cancel_all, gather_or_cancel, translate
 from ivy.schemas import ChatMessage, ChatTemplateOptions, TokenizeRequest, VllmTokenizeResponse
 from ivy.tokenization import TokenizationError
+from ivy.tools import ToolPlan, plan_tools
 from protos import tracing
 from protos.trellis.v1 import inference_pb2 as pb
 
@@ -142,6 +143,7 @@ class Prepared:
     # the model's token texts when the request asked for logprobs (sampling.top_logprobs)
     pieces: TokenPieces | None = None
     n: int = 1  # choices per prompt
+    tools: ToolPlan | None = None  # how a chat answer's tool calls are read
 
 
 @dataclass
@@ -321,10 +323,23 @@ class GenerationService:
                 param="top_logprobs",
             )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        ids = await chat_ids(model, req.messages, req, "use /v1/completions")
+        tools = None if model.chat_template is None else plan_tools(req, model.chat_template)
+        ids = await chat_ids(
+            model, req.messages, req, "use /v1/completions", tools.tools if tools else None
+        )
         max_tokens = req.max_completion_tokens or req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         prepared = self._prepared(req, model, [ids], max_tokens, "messages", param, started)
+        if tools is not None:
+            schema = tools.schema()
+            if schema is not None:
+                prepared.sampling.response_format.CopyFrom(
+                    pb.ResponseFormat(
+                        type=pb.ResponseFormat.TYPE_JSON_SCHEMA,
+                        json_schema=orjson.dumps(schema).decode(),
+                    )
+                )
+            prepared = replace(prepared, tools=tools)
         return await self._with_logprobs(prepared, model, logprobs)
 
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:
@@ -552,24 +567,17 @@ async def chat_ids(
     messages: Sequence[ChatMessage],
     options: ChatTemplateOptions,
     otherwise: str,
+    tools: list[dict[str, Any]] | None = None,
 ) -> np.ndarray:
     """The token ids of a conversation through the model's chat template, with vLLM's
-    template options; ``otherwise`` tells a client of a model without a template what
-    to do instead."""
+    template options and the request's ``tools``; ``otherwise`` tells a client of a model
+    without a template what to do instead."""
     template = model.chat_template
     if template is None:
         raise ValidationError(
             f"The model `{model.name}` has no chat template; {otherwise}.", param="messages"
         )
-    conversation = [
-        {
-            "role": "system" if m.role == "developer" else m.role,
-            "content": m.content
-            if isinstance(m.content, str)
-            else "\n".join(part.text for part in m.content),
-        }
-        for m in messages
-    ]
+    conversation = [_template_message(i, m) for i, m in enumerate(messages)]
     try:
         # Special-token text in the messages' content stays text: only the template
         # places special tokens (see ivy.chat_template.RenderedPrompt).
@@ -579,12 +587,64 @@ async def chat_ids(
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
             variables=options.chat_template_kwargs,
+            tools=tools,
         )
     except ChatTemplateError as exc:
         raise ValidationError(
             f"The messages do not fit the model's chat template: {exc}", param=exc.param
         ) from None
     return await _tokenize_prompt(model, prompt)
+
+
+def _template_message(index: int, m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it (`transformers`' and vLLM's shape): text parts
+    joined, a tool call's arguments as a parsed object."""
+    content = (
+        m.content
+        if m.content is None or isinstance(m.content, str)
+        else ("\n".join(part.text for part in m.content))
+    )
+    if content is None and not (m.role == "assistant" and m.tool_calls):
+        raise ValidationError(
+            f"messages[{index}] has no content (only an assistant turn with tool_calls may "
+            "have none).",
+            param="messages",
+        )
+    out: dict[str, Any] = {
+        "role": "system" if m.role == "developer" else m.role,
+        "content": content,
+    }
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise ValidationError(
+                f"messages[{index}]: only assistant turns carry tool_calls.", param="messages"
+            )
+        calls = []
+        for call in m.tool_calls:
+            try:
+                arguments = orjson.loads(call.function.arguments)
+            except orjson.JSONDecodeError:
+                raise ValidationError(
+                    f"messages[{index}]: the arguments of tool call `{call.id}` are not JSON.",
+                    param="messages",
+                ) from None
+            calls.append(
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": arguments},
+                }
+            )
+        out["tool_calls"] = calls
+    if m.role == "tool":
+        if m.tool_call_id is None:
+            raise ValidationError(
+                f"messages[{index}]: a tool message needs tool_call_id.", param="messages"
+            )
+        out["tool_call_id"] = m.tool_call_id
+    if m.name is not None and m.role == "tool":
+        out["name"] = m.name
+    return out
 
 
 # ---- consuming generations ---------------------------------------------------------------
@@ -677,9 +737,7 @@ def unsupported_field(req: ChatCompletionRequest | CompletionRequest) -> str | N
     noop: dict[str, Callable[[Any], bool]] = {}
     if isinstance(req, ChatCompletionRequest):
         noop.update(
-            tools=lambda v: not v,
             functions=lambda v: not v,
-            tool_choice=lambda v: v in ("none", "auto"),
             function_call=lambda v: v in ("none", "auto"),
         )
     for name, is_noop in noop.items():

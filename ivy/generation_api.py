@@ -45,9 +45,12 @@ from ivy.generation_schemas import (
     GenerationUsage,
     RoleDelta,
     StreamError,
+    ToolCallOut,
+    ToolCallsDelta,
 )
 from ivy.logprobs import CompletionLogprobsBuilder, TokenPieces, chat_logprobs
 from ivy.routes import Reply, Route
+from ivy.tools import ToolStream
 
 __all__ = ["CHAT_ROUTE", "COMPLETIONS_ROUTE", "STREAM_SCHEMAS", "generation_routes"]
 
@@ -96,25 +99,38 @@ async def _chat_events(
 
     def chunk(
         index: int,
-        delta: RoleDelta | ContentDelta | EndDelta,
+        delta: RoleDelta | ContentDelta | ToolCallsDelta | EndDelta,
         finish: str | None,
         logprobs: ChatLogprobs | None = None,
     ) -> bytes:
         choice = ChatChunkChoice(index, delta, finish, logprobs)  # type: ignore[arg-type]
         return sse.event(kind(rid, created, model, [choice]))
 
+    # with tools, each choice's text goes through its reader (`ivy.tools.ToolStream`)
+    plan = prepared.tools
+    readers = [None if plan is None else ToolStream(plan) for _ in generations]
     for index in range(len(generations)):
         yield chunk(index, RoleDelta(), None)
     try:
         async for index, message in merge(generations):
+            finish = finish_reason(message)
+            reader = readers[index]
+            if reader is not None:
+                text, calls = reader.feed(message.text)
+                if finish is not None:
+                    rest, more, finish = reader.finish(finish)
+                    text, calls = text + rest, calls + more
+                if text:
+                    yield chunk(index, ContentDelta(text), None)
+                if calls:
+                    yield chunk(index, ToolCallsDelta(calls), None)
             # a chunk carries the logprobs of its message's tokens (its text may lag them:
             # a replica holds back text that could still become a stop string)
-            if pieces is not None and message.token_ids:
+            elif pieces is not None and message.token_ids:
                 logprobs = chat_logprobs(pieces, message.token_ids, message.logprobs)
                 yield chunk(index, ContentDelta(message.text), None, logprobs)
             elif message.text:
                 yield chunk(index, ContentDelta(message.text), None)
-            finish = finish_reason(message)
             if finish is not None:
                 yield chunk(index, EndDelta(), finish)
     except Exception as exc:  # noqa: BLE001 - reported in the stream, which then ends
@@ -159,6 +175,17 @@ def _chat_logprobs(pieces: TokenPieces | None, outcome: Outcome) -> ChatLogprobs
     return chat_logprobs(pieces, outcome.token_ids, outcome.logprobs)
 
 
+def _chat_choice(prepared: Prepared, index: int, outcome: Outcome) -> ChatChoice:
+    """A finished chat choice: its answer, read for tool calls when the request has tools."""
+    content: str | None = outcome.text
+    calls: list[ToolCallOut] = []
+    finish = outcome.finish_reason
+    if prepared.tools is not None:
+        content, calls, finish = prepared.tools.read(outcome.text, finish)
+    message = AssistantMessage(content, tool_calls=calls or None)
+    return ChatChoice(index, message, finish, _chat_logprobs(prepared.pieces, outcome))  # type: ignore[arg-type]
+
+
 def _completion_logprobs(pieces: TokenPieces | None, outcome: Outcome) -> CompletionLogprobs | None:
     if pieces is None:
         return None
@@ -193,12 +220,7 @@ def generation_routes(service: GenerationService) -> list[Route]:
             events = _chat_events(prepared, generations, rid, created, req.model)
             return sse.Stream(events, headers, _closer(generations))
         outcomes = await collect(generations)
-        choices = [
-            ChatChoice(
-                i, AssistantMessage(o.text), o.finish_reason, _chat_logprobs(prepared.pieces, o)
-            )  # type: ignore[arg-type]
-            for i, o in enumerate(outcomes)
-        ]
+        choices = [_chat_choice(prepared, i, o) for i, o in enumerate(outcomes)]
         body = ChatCompletionResponse(
             rid, created, req.model, choices, _usage(outcomes, prepared.n)
         )

@@ -30,20 +30,29 @@ __all__ = [
     "CompletionChunk",
     "CompletionChunkWithUsage",
     "CompletionLogprobs",
-    "ContentDelta",
-    "EndDelta",
     "CompletionRequest",
     "CompletionResponse",
+    "ContentDelta",
+    "EndDelta",
+    "FunctionCallDelta",
+    "FunctionCallOut",
+    "FunctionSpec",
     "GenerationUsage",
     "JsonObjectFormat",
     "JsonSchemaFormat",
     "JsonSchemaSpec",
+    "NamedToolChoice",
     "ResponseFormat",
     "RoleDelta",
     "StreamError",
     "StreamOptions",
     "TextFormat",
     "TextPart",
+    "Tool",
+    "ToolCallDelta",
+    "ToolCallOut",
+    "ToolCallsDelta",
+    "ToolName",
     "TopLogprob",
 ]
 
@@ -60,10 +69,12 @@ StopStrings = StopString | Annotated[list[StopString], Field(max_length=4)]
 # OpenAI's seed is a signed 64-bit integer; Trellis also takes the unsigned range of the
 # wire's uint64 (negative seeds are sent as their two's complement).
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 # OpenAI's limits: alternatives per token in chat (top_logprobs) and legacy (logprobs).
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+# OpenAI's limit on tools per request.
+MAX_TOOLS = 128
 # OpenAI's limit on choices per prompt (n).
 MAX_CHOICES = 128
 # Most stop_token_ids one request may send (vLLM sets none; this keeps the wire small).
@@ -190,6 +201,37 @@ class _Sampling(_Strict):
     user: str | None = None
 
 
+class FunctionSpec(_Strict):
+    model_config = _CLOSED
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="A JSON Schema of the arguments (an object)."
+    )
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    model_config = _CLOSED
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class ToolName(_Strict):
+    model_config = _CLOSED
+
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    model_config = _CLOSED
+
+    type: Literal["function"]
+    function: ToolName
+
+
 class ChatCompletionRequest(ChatTemplateOptions, _Sampling):
     """OpenAI's chat completion request (text only)."""
 
@@ -205,8 +247,20 @@ class ChatCompletionRequest(ChatTemplateOptions, _Sampling):
         default=None,
         description="With logprobs: true, this many most likely tokens at each position.",
     )
-    tools: list[Any] | None = Field(default=None, description=_UNSUPPORTED)
-    tool_choice: str | dict[str, Any] | None = Field(default=None, description=_UNSUPPORTED)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        default=None,
+        description="Functions the model may call, shown to it through its chat template.",
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None,
+        description="auto (the default with tools): the model may answer or call (its "
+        "calls read in the Hermes `<tool_call>` format its template writes); required: at "
+        "least one call; a named function: that call; none: an answer. required and named "
+        "calls are held to the functions' parameter schemas token by token.",
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="false: at most one call per answer."
+    )
     functions: list[Any] | None = Field(default=None, description=_UNSUPPORTED)
     function_call: str | dict[str, Any] | None = Field(default=None, description=_UNSUPPORTED)
     response_format: ResponseFormat | None = Field(
@@ -287,8 +341,44 @@ class CompletionLogprobs:
 
 @dataclass(slots=True)
 class AssistantMessage:
-    content: str
+    content: str | None
     role: Literal["assistant"] = "assistant"
+    tool_calls: list[ToolCallOut] | None = None
+
+
+@dataclass(slots=True)
+class FunctionCallOut:
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass(slots=True)
+class ToolCallOut:
+    id: str
+    function: FunctionCallOut
+    type: Literal["function"] = "function"
+
+
+@dataclass(slots=True)
+class FunctionCallDelta:
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(slots=True)
+class ToolCallDelta:
+    """One piece of a streamed tool call: the first of each call carries its id and
+    name, the next ones more of its arguments (join them by ``index``)."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | None = None
+    type: Literal["function"] | None = None
+
+
+@dataclass(slots=True)
+class ToolCallsDelta:
+    tool_calls: list[ToolCallDelta]
 
 
 @dataclass(slots=True)
@@ -330,7 +420,7 @@ class EndDelta:
 @dataclass(slots=True)
 class ChatChunkChoice:
     index: int
-    delta: RoleDelta | ContentDelta | EndDelta
+    delta: RoleDelta | ContentDelta | ToolCallsDelta | EndDelta
     finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None = None
 

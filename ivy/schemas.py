@@ -42,6 +42,7 @@ __all__ = [
     "ClassifyData",
     "ClassifyRequest",
     "ClassifyResponse",
+    "FunctionCall",
     "ChatTemplateOptions",
     "TextPart",
     "EmbeddingData",
@@ -61,6 +62,7 @@ __all__ = [
     "TokenizeRequest",
     "TokenizeResponse",
     "TokenizedInput",
+    "ToolCall",
     "Usage",
 ]
 
@@ -111,15 +113,37 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    """A message of the conversation. ``developer`` is OpenAI's newer name for
-    ``system`` and is rendered as one."""
+class FunctionCall(_Strict):
+    model_config = CLOSED
+
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str = Field(description="The arguments, a JSON object as text.")
+
+
+class ToolCall(_Strict):
+    """A tool call of an earlier assistant turn, sent back with the conversation."""
 
     model_config = CLOSED
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)]
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    """A message of the conversation. ``developer`` is OpenAI's newer name for
+    ``system`` and is rendered as one. An assistant turn may carry ``tool_calls`` (its
+    content then may be null); a ``tool`` message answers one by ``tool_call_id``."""
+
+    model_config = CLOSED
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = Field(
+        default=None, description="Absent or null only for an assistant turn with tool_calls."
+    )
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatTemplateOptions(_Strict):

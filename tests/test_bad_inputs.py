@@ -429,7 +429,8 @@ def chat() -> list[Case]:
             with_(p, logprobs=True, top_logprobs=-1),
             param="top_logprobs",
         ),
-        # Fields that would change the answer are refused by name, never ignored.
+        # Fields that would change the answer are refused by name, never ignored: tools
+        # for a model whose chat template takes none (SmolLM2's), tool_choice without tools.
         post(
             "tools",
             p,

@@ -30,14 +30,35 @@ from tulip.client import TulipClient
 from tulip.process import TulipProcess
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
-    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    # Qwen3's switch: thinking off opens the answer with an empty think block
-    "{% if enable_thinking is defined and enable_thinking is false %}"
-    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"
-)
+# ChatML with Qwen3's tool calling (tools listed in a system turn, Hermes <tool_call>
+# blocks for an assistant's calls, <tool_response> for a tool's answers) and its thinking
+# switch (thinking off opens the answer with an empty think block).
+CHATML = """
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+{{- '# Tools\\n\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
+{{- '\\n</tools>\\n\\nCall a function as <tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and tools and loop.first %}
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{{- '<|im_start|>assistant\\n' + (message.content or '') }}
+{%- for call in message.tool_calls %}
+{{- '\\n<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}
+{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
+{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- endif %}
+"""
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "What is 2 + 2? It is 4.",
@@ -81,7 +102,7 @@ def _tokenizer(path: Path) -> int:
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "bos_token": None,
-        "model_max_length": 512,
+        "model_max_length": 2048,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return tok.get_vocab_size()
@@ -100,7 +121,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=SPECIALS.index("<|im_end|>"),
@@ -297,7 +318,7 @@ def test_vllm_chat_template_options(cluster: tuple[str, dict[str, str]], oracle:
             assert r.status_code == 200, r.text
             assert r.json() == {
                 "count": len(ids),
-                "max_model_len": 512,
+                "max_model_len": 2048,
                 "tokens": ids,
                 "token_strs": None,
             }
@@ -323,3 +344,198 @@ def test_vllm_chat_template_options(cluster: tuple[str, dict[str, str]], oracle:
                 assert r.json()["error"]["param"] == param, r.text
         r = http.post("/tokenize", json={"messages": CHATS[0], "prompt": "x"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+
+
+# ---- tool calling ---------------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+# an earlier call and its answer, sent back (arguments as JSON text, as OpenAI sends them)
+ANSWERED = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C."},
+]
+
+
+def _hf_messages(messages: list[dict]) -> list[dict]:
+    """The messages as transformers' templates take them (arguments as objects)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+def _validate(call: dict) -> None:
+    import jsonschema
+
+    spec = next(t["function"] for t in TOOLS if t["function"]["name"] == call["function"]["name"])
+    jsonschema.validate(json.loads(call["function"]["arguments"]), spec["parameters"])
+    assert call["type"] == "function" and call["id"].startswith("call_")
+
+
+def test_tools_reach_the_model_through_its_template(
+    cluster: tuple[str, dict[str, str]], oracle: Oracle
+) -> None:
+    """The tools and a conversation with an earlier call and its answer render as
+    transformers' template renders them (arguments parsed to objects, as vLLM passes
+    them): the prompt's token count, and with tool_choice auto the greedy answer from
+    those ids (a tiny random model calls nothing: content, no tool_calls)."""
+    base, _ = cluster
+    with httpx.Client(base_url=base, timeout=120) as http:
+        for messages in (ASK, ANSWERED):
+            ids = oracle.chat_ids(_hf_messages(messages), tools=TOOLS)
+            assert len(ids) > len(oracle.chat_ids(ASK)) + 20  # the tools are in it
+            _, text, finish = oracle.greedy(ids)
+            r = http.post("/v1/chat/completions", json=_body("qwen3", messages, tools=TOOLS))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["usage"]["prompt_tokens"] == len(ids)
+            choice = body["choices"][0]
+            assert (choice["message"]["content"], choice["finish_reason"]) == (text, finish)
+            assert choice["message"].get("tool_calls") is None
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_named_and_required_tool_choice_give_valid_calls(
+    cluster: tuple[str, dict[str, str]], stream: bool
+) -> None:
+    """A named function or `required`: the answer is held to the tools' schemas, so even
+    a random model's calls parse and validate; named finishes `stop` (vLLM), required
+    `tool_calls`. Streamed, the deltas join to the same calls as the whole answer."""
+    base, _ = cluster
+    named = {"type": "function", "function": {"name": "get_time"}}
+    cases = [(named, "stop", 1), ("required", "tool_calls", None)]
+    with httpx.Client(base_url=base, timeout=120) as http:
+        for choice, finish, count in cases:
+            body = _body("qwen3", ASK, tools=TOOLS, tool_choice=choice, max_tokens=120)
+            whole = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+            assert whole["finish_reason"] == finish, whole
+            calls = whole["message"]["tool_calls"]
+            assert calls and (count is None or len(calls) == count), whole
+            for call in calls:
+                _validate(call)
+            if choice is named:
+                assert calls[0]["function"]["name"] == "get_time"
+            if not stream:
+                continue
+            with httpx.stream(
+                "POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, timeout=120
+            ) as r:
+                events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+            chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+            joined: dict[int, dict] = {}
+            for c in chunks:
+                for d in c["delta"].get("tool_calls") or []:
+                    call = joined.setdefault(d["index"], {"name": None, "arguments": ""})
+                    call["name"] = d["function"].get("name") or call["name"]
+                    call["arguments"] += d["function"].get("arguments") or ""
+            assert [c["finish_reason"] for c in chunks][-1] == finish
+            want = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+            assert [(c["name"], c["arguments"]) for c in joined.values()] == want
+            assert not "".join(c["delta"].get("content") or "" for c in chunks)
+
+
+def test_openai_client_reads_tool_calls(cluster: tuple[str, dict[str, str]]) -> None:
+    from openai import OpenAI
+
+    base, _ = cluster
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    r = client.chat.completions.create(
+        model="qwen3",
+        messages=ANSWERED,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=120,
+        temperature=0,
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+
+
+def test_bad_tool_requests_get_400(cluster: tuple[str, dict[str, str]]) -> None:
+    base, _ = cluster
+    unknown = {"type": "function", "function": {"name": "nope"}}
+    cases = [
+        ({"tools": TOOLS, "tool_choice": unknown}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": TOOLS, "logprobs": True}, "logprobs"),
+        ({"tools": TOOLS, "tool_choice": "required", "ignore_eos": True}, "ignore_eos"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+    ]
+    with httpx.Client(base_url=base, timeout=120) as http:
+        for extra, param in cases:
+            r = http.post("/v1/chat/completions", json=_body("qwen3", ASK, **extra))
+            assert r.status_code == 400, (extra, r.text)
+            assert r.json()["error"]["param"] == param, (extra, r.text)
+        for bad in (
+            [{"role": "tool", "content": "x"}],  # no tool_call_id
+            [{"role": "user", "content": None}],
+            [
+                {
+                    **ANSWERED[1],
+                    "tool_calls": [
+                        {
+                            **ANSWERED[1]["tool_calls"][0],
+                            "function": {"name": "f", "arguments": "{"},
+                        }
+                    ],
+                }
+            ],
+        ):
+            r = http.post("/v1/chat/completions", json=_body("qwen3", bad, tools=TOOLS))
+            assert r.status_code == 400, (bad, r.text)
+            assert r.json()["error"]["param"] == "messages", r.text

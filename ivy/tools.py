@@ -1,0 +1,258 @@
+"""OpenAI tool calling on chat completions, over the model's own chat template.
+
+The request's ``tools`` reach the model through its chat template (the ``tools``
+variable, as `transformers` and vLLM pass them); earlier calls and their answers travel in
+the messages (``tool_calls``, role ``tool``). What comes back is read by ``tool_choice``:
+
+- ``auto``: the model answers or calls. Calls are read in the Hermes format the template
+  writes (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Qwen2.5, Qwen3,
+  Hermes and the templates built on them), as vLLM's ``hermes`` parser reads them: the text
+  before the first call is the content, and an answer whose calls do not parse is content.
+- ``required``: the answer is held, token by token (`rose.grammar`), to a JSON list of
+  ``{"name", "parameters"}`` over the tools (vLLM's schema), read as calls.
+- a named function: the answer is held to that function's parameter schema; it is the
+  call's arguments.
+- ``none``: the tools are shown, the answer is content.
+
+Invariants: a plan exists only for a template that takes ``tools``; ``auto`` only for one
+that writes the Hermes format (otherwise a 400 says to use ``required`` or a named
+function); a held answer (required, named) is never also held to a ``response_format``.
+Streamed, content is sent as it comes except text that may start a call, and a call is
+sent when its text is complete (a named call's arguments as they come).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ivy.chat_template import ChatTemplate
+from ivy.errors import ValidationError
+from ivy.generation_schemas import (
+    ChatCompletionRequest,
+    FunctionCallDelta,
+    FunctionCallOut,
+    NamedToolChoice,
+    ToolCallDelta,
+    ToolCallOut,
+)
+
+__all__ = ["ToolPlan", "ToolStream", "parse_hermes", "plan_tools"]
+
+_START, _END = "<tool_call>", "</tool_call>"
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one request's answer is read: ``mode`` is auto, required, named or none."""
+
+    mode: str
+    tools: list[dict[str, Any]]  # as the chat template sees them
+    name: str | None = None  # the named function
+    parallel: bool = True  # false: at most one call
+
+    def schema(self) -> dict[str, Any] | None:
+        """The JSON Schema the answer is held to (None: free text)."""
+        if self.mode == "named":
+            return self._parameters(self.name)
+        if self.mode != "required":
+            return None
+        options = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t["function"]["name"]]},
+                    "parameters": self._parameters(t["function"]["name"]),
+                },
+                "required": ["name", "parameters"],
+            }
+            for t in self.tools
+        ]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": options}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return schema
+
+    def _parameters(self, name: str | None) -> dict[str, Any]:
+        spec = next(t["function"] for t in self.tools if t["function"]["name"] == name)
+        return spec.get("parameters") or {"type": "object"}
+
+    def read(self, text: str, finish: str) -> tuple[str | None, list[ToolCallOut], str]:
+        """An answer's (content, calls, finish reason) under this plan."""
+        if self.mode == "named":
+            assert self.name is not None
+            return None, [_call(self.name, text)], finish
+        calls: list[tuple[str, str]] | None = None
+        content: str | None = text
+        if self.mode == "required":
+            calls = _required_calls(text)
+            content = None
+        elif self.mode == "auto":
+            parsed = parse_hermes(text)
+            if parsed is not None:
+                content, calls = parsed
+        if not calls:
+            return text, [], finish
+        if not self.parallel:
+            calls = calls[:1]
+        out = [_call(name, arguments) for name, arguments in calls]
+        return content, out, "tool_calls" if finish == "stop" else finish
+
+
+def plan_tools(req: ChatCompletionRequest, template: ChatTemplate) -> ToolPlan | None:
+    """The request's tool plan (None: no tools), checked against the model's template."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none", "auto"):
+            raise ValidationError("tool_choice needs `tools`.", param="tool_choice")
+        return None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    names = [t["function"]["name"] for t in tools]
+    if len(set(names)) != len(names):
+        raise ValidationError("Tool names must be unique.", param="tools")
+    if "tools" not in template.source:
+        raise ValidationError(
+            f"The model `{req.model}`'s chat template does not take tools.", param="tools"
+        )
+    parallel = req.parallel_tool_calls is not False
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise ValidationError(
+                f"tool_choice names `{choice.function.name}`, which is not among the tools.",
+                param="tool_choice",
+            )
+        plan = ToolPlan("named", tools, choice.function.name, parallel)
+    else:
+        plan = ToolPlan(choice or "auto", tools, None, parallel)
+    if plan.mode == "auto" and _START not in template.source:
+        raise ValidationError(
+            f"The model `{req.model}`'s chat template writes tool calls in a format Trellis "
+            "does not read (it reads Hermes' <tool_call>); send tool_choice `required` or "
+            "a named function, whose answers are held to the tools' schemas.",
+            param="tool_choice",
+        )
+    if plan.mode in ("named", "required") and req.response_format is not None:
+        if req.response_format.type != "text":
+            raise ValidationError(
+                "response_format cannot be used with tool_choice `required` or a named "
+                "function (the call's schema holds the answer).",
+                param="response_format",
+            )
+    for name in ("ignore_eos", "min_tokens"):
+        if plan.mode in ("named", "required") and getattr(req, name):
+            raise ValidationError(
+                f"{name} cannot be used with tool_choice `required` or a named function "
+                "(the call's schema ends the answer).",
+                param=name,
+            )
+    if plan.mode != "none" and req.logprobs:
+        raise ValidationError(
+            "logprobs are not returned with tool calls; send tool_choice `none` or no logprobs.",
+            param="logprobs",
+        )
+    return plan
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
+    """(content, [(name, arguments JSON)]) of an answer with Hermes tool calls, None when
+    it has none or one does not parse (then it is all content), as vLLM's hermes parser:
+    the content is the text before the first call (None when empty), a last call may be
+    unclosed, ``arguments`` are re-serialized (``ensure_ascii=False``)."""
+    if _START not in text:
+        return None
+    calls = []
+    for match in _CALL.finditer(text):
+        body = match.group(1) if match.group(1) is not None else match.group(2)
+        try:
+            call = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        calls.append((call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
+    content = text[: text.index(_START)]
+    return (content or None), calls
+
+
+def _required_calls(text: str) -> list[tuple[str, str]] | None:
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None  # cut short (length): the text is the answer
+    return [(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+
+
+def _call(name: str, arguments: str) -> ToolCallOut:
+    return ToolCallOut(f"call_{uuid.uuid4().hex[:24]}", FunctionCallOut(name, arguments))
+
+
+@dataclass
+class ToolStream:
+    """One streamed choice under a plan: `feed` each text piece, `finish` at the end; each
+    returns (content to send now, tool-call deltas to send now)."""
+
+    plan: ToolPlan
+    _held: str = ""  # auto: text that may start a call; required: the whole answer
+    _calling: bool = False  # auto: a call has started (the rest is held)
+    _named: ToolCallOut | None = field(default=None)
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        mode = self.plan.mode
+        if mode == "none" or not text:
+            return text, []
+        if mode == "named":
+            if self._named is None:
+                self._named = _call(self.plan.name or "", "")
+                first = ToolCallDelta(
+                    0,
+                    FunctionCallDelta(self._named.function.name, text),
+                    self._named.id,
+                    "function",
+                )
+                return "", [first]
+            return "", [ToolCallDelta(0, FunctionCallDelta(None, text))]
+        self._held += text
+        if mode == "required" or self._calling:
+            return "", []
+        at = self._held.find(_START)
+        if at >= 0:
+            self._calling = True
+            content, self._held = self._held[:at], self._held[at:]
+            return content, []
+        keep = _partial_start(self._held)
+        content, self._held = (
+            self._held[: len(self._held) - keep],
+            self._held[len(self._held) - keep :],
+        )
+        return content, []
+
+    def finish(self, reason: str) -> tuple[str, list[ToolCallDelta], str]:
+        """The rest of the choice: (content, deltas, finish reason)."""
+        mode = self.plan.mode
+        if mode in ("none", "named"):
+            return "", [], reason
+        held, self._held = self._held, ""
+        if mode == "auto" and not self._calling:
+            return held, [], reason
+        _, calls, reason = self.plan.read(held, reason)
+        if not calls:
+            return held, [], reason
+        return "", [_delta(i, c) for i, c in enumerate(calls)], reason
+
+
+def _delta(index: int, call: ToolCallOut) -> ToolCallDelta:
+    return ToolCallDelta(
+        index, FunctionCallDelta(call.function.name, call.function.arguments), call.id, "function"
+    )
+
+
+def _partial_start(text: str) -> int:
+    """How many of the text's last characters could begin ``<tool_call>``."""
+    for n in range(min(len(text), len(_START) - 1), 0, -1):
+        if _START.startswith(text[-n:]):
+            return n
+    return 0

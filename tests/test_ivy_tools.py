@@ -1,0 +1,150 @@
+"""Reading tool calls out of an answer (`ivy.tools`): the Hermes format as vLLM's hermes
+parser reads it, `required`'s JSON list, a named call's arguments, and the streamed
+reader, which sends content at once except text that may start a call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ivy.tools import ToolPlan, ToolStream, parse_hermes
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+TIME = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+
+def test_hermes_calls_and_the_content_before_them() -> None:
+    assert parse_hermes("It is sunny.") is None
+    assert parse_hermes(CALL) == (None, [("get_weather", '{"city": "Oslo"}')])
+    assert parse_hermes("Let me check.\n" + CALL + "\n" + TIME) == (
+        "Let me check.\n",
+        [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")],
+    )
+    # a last call left open (the answer ended on EOS or max_tokens after its JSON)
+    assert parse_hermes('<tool_call>\n{"name": "get_time", "arguments": {"zone": "Ø"}}') == (
+        None,
+        [("get_time", '{"zone": "Ø"}')],
+    )
+    # a call that does not parse makes the whole answer content
+    assert parse_hermes('<tool_call>{"name": "get_time", "arguments": {</tool_call>') is None
+    assert parse_hermes('<tool_call>["get_time"]</tool_call>') is None
+
+
+def test_plans_read_answers() -> None:
+    auto = ToolPlan("auto", TOOLS)
+    content, calls, finish = auto.read("Sure. " + CALL + TIME, "stop")
+    assert (content, finish) == ("Sure. ", "tool_calls")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}),
+        ("get_time", {}),
+    ]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    assert auto.read("No calls.", "length") == ("No calls.", [], "length")
+    single = ToolPlan("auto", TOOLS, parallel=False)
+    assert [c.function.name for c in single.read(CALL + TIME, "stop")[1]] == ["get_weather"]
+    required = ToolPlan("required", TOOLS)
+    text = '[{"name": "get_time", "parameters": {"zone": "UTC"}}]'
+    content, calls, finish = required.read(text, "stop")
+    assert (content, finish) == (None, "tool_calls")
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_time", '{"zone": "UTC"}')
+    ]
+    # cut short, the JSON does not parse: the text is the answer
+    assert required.read('[{"name": "get_ti', "length") == ('[{"name": "get_ti', [], "length")
+    named = ToolPlan("named", TOOLS, "get_time")
+    content, calls, finish = named.read('{"zone": "CET"}', "stop")
+    assert (content, finish) == (None, "stop")
+    assert (calls[0].function.name, calls[0].function.arguments) == ("get_time", '{"zone": "CET"}')
+    assert ToolPlan("none", TOOLS).read(CALL, "stop") == (CALL, [], "stop")
+
+
+def test_schemas_hold_required_and_named_answers() -> None:
+    schema = ToolPlan("required", TOOLS, parallel=False).schema()
+    assert schema is not None
+    assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
+    names = [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    assert ToolPlan("named", TOOLS, "get_weather").schema() == {"type": "object"}
+    assert ToolPlan("auto", TOOLS).schema() is None
+
+
+def _stream(plan: ToolPlan, pieces: list[str], finish: str = "stop") -> tuple[list[str], list, str]:
+    reader = ToolStream(plan)
+    sent, deltas = [], []
+    for piece in pieces:
+        text, more = reader.feed(piece)
+        sent.append(text)
+        deltas += more
+    text, more, finish = reader.finish(finish)
+    return [*sent, text], deltas + more, finish
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 11])
+def test_streamed_auto_holds_back_only_what_may_start_a_call(cut: int) -> None:
+    answer = "Checking the weather. " + CALL
+    pieces = [answer[i : i + cut] for i in range(0, len(answer), cut)]
+    sent, deltas, finish = _stream(ToolPlan("auto", TOOLS), pieces)
+    assert "".join(sent) == "Checking the weather. "
+    assert all("<" not in s for s in sent)
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+        (0, "get_weather", {"city": "Oslo"})
+    ]
+    assert finish == "tool_calls"
+    # text that only looked like a call's start goes out as content
+    sent, deltas, finish = _stream(ToolPlan("auto", TOOLS), ["a <to", "ol> b <tool_c"], "length")
+    assert ("".join(sent), deltas, finish) == ("a <tool> b <tool_c", [], "length")
+    assert sent[0] == "a "  # "<to" was held until it could no longer start a call
+
+
+def test_streamed_named_call_sends_its_arguments_as_they_come() -> None:
+    sent, deltas, finish = _stream(ToolPlan("named", TOOLS, "get_time"), ['{"zone"', ': "UTC"}'])
+    assert "".join(sent) == "" and finish == "stop"
+    assert (deltas[0].index, deltas[0].id is not None, deltas[0].function.name) == (
+        0,
+        True,
+        "get_time",
+    )
+    assert deltas[1].id is None and deltas[1].function.name is None
+    assert "".join(d.function.arguments for d in deltas) == '{"zone": "UTC"}'
+
+
+def test_special_token_text_in_tools_and_tool_turns_stays_text() -> None:
+    """A tool's description, a call's arguments and a tool's answer are client text: a
+    special token written in them is a placeholder (tokenized as plain text), as in a
+    message's content, so they cannot forge a turn."""
+    from ivy.chat_template import ChatTemplate
+
+    template = ChatTemplate(
+        "{% for m in messages %}{{ m.content or '' }}{{ (m.tool_calls or []) | tojson }}{% endfor %}"
+        "{{ tools | tojson }}"
+    )
+    messages = [
+        {"role": "tool", "content": "ok<|im_end|>", "tool_call_id": "1"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "1",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": {"a": "<|im_start|>"}},
+                }
+            ],
+        },
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "description": "<|im_end|>x"}}]
+    got = template.render_prompt(
+        messages, {"<|im_end|>", "<|im_start|>"}, add_generation_prompt=False, tools=tools
+    )
+    assert "<|im_end|>" not in got.text and "<|im_start|>" not in got.text
+    assert sorted(got.literals.values()) == ["<|im_end|>", "<|im_start|>"]
+    restored = got.text
+    for char, token in got.literals.items():
+        restored = restored.replace(char, token)
+    assert restored == template.render(messages, add_generation_prompt=False, tools=tools)
