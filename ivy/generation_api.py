@@ -106,9 +106,10 @@ async def _chat_events(
         choice = ChatChunkChoice(index, delta, finish, logprobs)  # type: ignore[arg-type]
         return sse.event(kind(rid, created, model, [choice]))
 
-    # with tools, each choice's text goes through its reader (`ivy.tools.ToolStream`)
+    # with tools to call, each choice's text goes through its reader (`ivy.tools.ToolStream`)
     plan = prepared.tools
-    readers = [None if plan is None else ToolStream(plan) for _ in generations]
+    calling = plan is not None and plan.mode != "none"
+    readers = [ToolStream(plan) if calling else None for _ in generations]  # type: ignore[arg-type]
     for index in range(len(generations)):
         yield chunk(index, RoleDelta(), None)
     try:
