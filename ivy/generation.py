@@ -59,7 +59,7 @@ from ivy.replicas import Replica
 from ivy.router import LOST, cancel_all, gather_or_cancel, translate
 from ivy.schemas import ChatMessage, ChatTemplateOptions, TokenizeRequest, VllmTokenizeResponse
 from ivy.tokenization import TokenizationError
-from ivy.tools import ToolPlan, plan_tools
+from ivy.tools import ToolPlan, plan_tools, template_tools
 from protos import tracing
 from protos.trellis.v1 import inference_pb2 as pb
 
@@ -551,7 +551,9 @@ class GenerationService:
         assert req.messages is not None
         gateway = self._gateway()
         model = gateway.served(req.model, (GENERATOR,), "chat")
-        ids = await chat_ids(model, req.messages, req, "send `prompt` instead")
+        template = model.chat_template
+        tools = template_tools(req.tools, template, model.name) if req.tools and template else None
+        ids = await chat_ids(model, req.messages, req, "send `prompt` instead", tools)
         if req.add_special_tokens:
             lead, tail = gateway.special_frame(model)
             ids = np.concatenate((lead, ids, tail))

@@ -13,7 +13,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from ivy.schemas import CLOSED as _CLOSED
-from ivy.schemas import UINT32_MAX, ChatMessage, ChatTemplateOptions, ErrorBody, TextPart
+from ivy.schemas import (
+    MAX_TOOLS,
+    UINT32_MAX,
+    ChatMessage,
+    ChatTemplateOptions,
+    ErrorBody,
+    FunctionSpec,
+    TextPart,
+    Tool,
+)
 
 __all__ = [
     "AssistantMessage",
@@ -73,8 +82,6 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 # OpenAI's limits: alternatives per token in chat (top_logprobs) and legacy (logprobs).
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
-# OpenAI's limit on tools per request.
-MAX_TOOLS = 128
 # OpenAI's limit on choices per prompt (n).
 MAX_CHOICES = 128
 # Most stop_token_ids one request may send (vLLM sets none; this keeps the wire small).
@@ -199,24 +206,6 @@ class _Sampling(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-
-
-class FunctionSpec(_Strict):
-    model_config = _CLOSED
-
-    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = Field(
-        default=None, description="A JSON Schema of the arguments (an object)."
-    )
-    strict: bool | None = None
-
-
-class Tool(_Strict):
-    model_config = _CLOSED
-
-    type: Literal["function"]
-    function: FunctionSpec
 
 
 class ToolName(_Strict):

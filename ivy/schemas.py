@@ -37,12 +37,14 @@ __all__ = [
     "TeiRankWithText",
     "TeiSparseValue",
     "CLOSED",
+    "MAX_TOOLS",
     "UINT32_MAX",
     "ChatMessage",
     "ClassifyData",
     "ClassifyRequest",
     "ClassifyResponse",
     "FunctionCall",
+    "FunctionSpec",
     "ChatTemplateOptions",
     "TextPart",
     "EmbeddingData",
@@ -62,6 +64,7 @@ __all__ = [
     "TokenizeRequest",
     "TokenizeResponse",
     "TokenizedInput",
+    "Tool",
     "ToolCall",
     "Usage",
 ]
@@ -70,6 +73,7 @@ __all__ = [
 # fields Ivy applies itself, to the same uint32 range), so an out-of-range number is a 400
 # naming the field here, never an overflow while the gRPC request is built.
 UINT32_MAX = 2**32 - 1
+MAX_TOOLS = 128  # OpenAI's limit on tools per request
 VERSION = "0.1.0"  # the API's, in /openapi.json and TEI's /info
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
@@ -128,6 +132,24 @@ class ToolCall(_Strict):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+
+
+class FunctionSpec(_Strict):
+    model_config = CLOSED
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="A JSON Schema of the arguments (an object)."
+    )
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    model_config = CLOSED
+
+    type: Literal["function"]
+    function: FunctionSpec
 
 
 class ChatMessage(_Strict):
@@ -674,6 +696,9 @@ class TokenizeRequest(ChatTemplateOptions):
         default=None,
         description="vLLM's chat shape: a conversation, tokenized as chat completions "
         "would generate from it; answered as `prompt` is.",
+    )
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        default=None, description="vLLM, with `messages`: the tools, through the template."
     )
     return_token_strs: bool = Field(
         default=False, description="vLLM: each token's string in `token_strs`."

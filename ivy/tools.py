@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +40,9 @@ from ivy.generation_schemas import (
     ToolCallDelta,
     ToolCallOut,
 )
+from ivy.schemas import Tool
 
-__all__ = ["ToolPlan", "ToolStream", "parse_hermes", "plan_tools"]
+__all__ = ["ToolPlan", "ToolStream", "parse_hermes", "plan_tools", "template_tools"]
 
 _START, _END = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)$", re.DOTALL)
@@ -110,14 +112,8 @@ def plan_tools(req: ChatCompletionRequest, template: ChatTemplate) -> ToolPlan |
         if choice not in (None, "none", "auto"):
             raise ValidationError("tool_choice needs `tools`.", param="tool_choice")
         return None
-    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    tools = template_tools(req.tools, template, req.model)
     names = [t["function"]["name"] for t in tools]
-    if len(set(names)) != len(names):
-        raise ValidationError("Tool names must be unique.", param="tools")
-    if "tools" not in template.source:
-        raise ValidationError(
-            f"The model `{req.model}`'s chat template does not take tools.", param="tools"
-        )
     parallel = req.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
         if choice.function.name not in names:
@@ -155,6 +151,22 @@ def plan_tools(req: ChatCompletionRequest, template: ChatTemplate) -> ToolPlan |
             param="logprobs",
         )
     return plan
+
+
+def template_tools(
+    tools: Sequence[Tool], template: ChatTemplate, model: str
+) -> list[dict[str, Any]]:
+    """The request's tools as the chat template sees them (OpenAI's objects), refused
+    (400 naming `tools`) when their names repeat or the template takes no tools."""
+    out = [t.model_dump(exclude_none=True) for t in tools]
+    names = [t["function"]["name"] for t in out]
+    if len(set(names)) != len(names):
+        raise ValidationError("Tool names must be unique.", param="tools")
+    if "tools" not in template.source:
+        raise ValidationError(
+            f"The model `{model}`'s chat template does not take tools.", param="tools"
+        )
+    return out
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:

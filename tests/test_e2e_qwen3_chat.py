@@ -441,6 +441,9 @@ def test_tools_reach_the_model_through_its_template(
             choice = body["choices"][0]
             assert (choice["message"]["content"], choice["finish_reason"]) == (text, finish)
             assert choice["message"].get("tool_calls") is None
+            # vLLM's /tokenize of the same conversation and tools: the same ids
+            body = {"model": "qwen3", "messages": messages, "tools": TOOLS}
+            assert http.post("/tokenize", json=body).json()["tokens"] == ids
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
