@@ -70,6 +70,7 @@ from ivy.schemas import (
     TokenizeResponse,
     Usage,
     VllmTokenizeResponse,
+    activation_asked,
     cuts_left,
 )
 from ivy.tokenization import TokenizationError
@@ -757,7 +758,7 @@ class Gateway:
                 timings,
                 fix=_SCORE_TRUNCATE,
             )
-        probs = logits if req.use_activation is False else _class_probabilities(logits)
+        probs = logits if activation_asked(req) is False else _class_probabilities(logits)
         names = _label_names(model, probs.shape[1])
         data = [
             ClassifyData(i, names[int(np.argmax(row))], row.tolist(), probs.shape[1])
@@ -905,7 +906,7 @@ class Gateway:
                     first,
                     deadline=deadline,
                     claim=claim,
-                    activation=False if req.use_activation is False else None,
+                    activation=False if activation_asked(req) is False else None,
                 )
                 scores = raw[:, 0] if raw.ndim == 2 else raw
             else:
@@ -1055,7 +1056,7 @@ class Gateway:
                     first,
                     deadline=deadline,
                     claim=claim,
-                    activation=False if req.raw_scores or req.use_activation is False else None,
+                    activation=False if req.raw_scores or activation_asked(req) is False else None,
                 )
                 timings.inference_s = time.perf_counter() - t1
                 scores = raw[:, 0] if raw.ndim == 2 else raw

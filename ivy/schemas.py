@@ -67,6 +67,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "Usage",
+    "activation_asked",
 ]
 
 # Numeric fields are bounded to the protobuf type that carries them to Tulip (or, for
@@ -482,6 +483,8 @@ class RerankRequest(_Strict):
     use_activation: bool | None = Field(
         default=None, description="vLLM: false gives a cross-encoder's logits (TEI: raw_scores)."
     )
+    activation: bool | None = Field(default=None, description="vLLM's older use_activation.")
+    softmax: bool | None = Field(default=None, description="vLLM's oldest use_activation.")
     instruction: NonEmptyStr | None = Field(
         default=None,
         description="Trellis extension, sentence-transformers' `prompt`: the system message "
@@ -489,6 +492,15 @@ class RerankRequest(_Strict):
         "`<Instruct>`), else text before the query (embedders: the model's query prompt "
         "format, as /v1/embeddings).",
     )
+
+
+def activation_asked(req: RerankRequest | ScoreRequest | ClassifyRequest) -> bool | None:
+    """vLLM's `use_activation`, read as vLLM reads it: its older names `softmax`, then
+    `activation`, win when sent."""
+    for value in (req.softmax, req.activation):
+        if value is not None:
+            return value
+    return req.use_activation
 
 
 def cuts_left(req: EmbeddingRequest | RerankRequest) -> bool:
@@ -523,6 +535,8 @@ class ScoreRequest(_Strict):
     use_activation: bool | None = Field(
         default=None, description="false: a cross-encoder's logits instead of its sigmoid."
     )
+    activation: bool | None = Field(default=None, description="vLLM's older use_activation.")
+    softmax: bool | None = Field(default=None, description="vLLM's oldest use_activation.")
     user: str | None = None
 
 
@@ -565,6 +579,8 @@ class ClassifyRequest(_Strict):
     use_activation: bool | None = Field(
         default=None, description="false: the logits instead of the probabilities."
     )
+    activation: bool | None = Field(default=None, description="vLLM's older use_activation.")
+    softmax: bool | None = Field(default=None, description="vLLM's oldest use_activation.")
 
 
 @dataclass(slots=True)

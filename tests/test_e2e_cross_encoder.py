@@ -467,8 +467,9 @@ def test_vllm_classify_matches_transformers(
         np.testing.assert_allclose([d["probs"] for d in body["data"]], probs, atol=ATOL)
         tokens = sum(len(tok(t)["input_ids"]) for t in texts)
         assert body["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
-        raw = client.post("/classify", json={"input": texts[0], "use_activation": False})
-        np.testing.assert_allclose(raw.json()["data"][0]["probs"], want[0], atol=ATOL)
+        for off in ({"use_activation": False}, {"activation": False}, {"softmax": False}):
+            raw = client.post("/classify", json={"input": texts[0], **off})
+            np.testing.assert_allclose(raw.json()["data"][0]["probs"], want[0], atol=ATOL)
         long = " ".join(DOCS) * 20
         refused = client.post("/classify", json={"input": [long]})
         assert refused.status_code == 400, refused.text

@@ -557,6 +557,10 @@ def test_vllm_score_on_a_cross_encoder_equals_transformers(
     body = {"model": "deberta-rr", "text_1": QUERY, "text_2": TEXTS, "use_activation": False}
     got, _ = _scores(base, path, **body)
     np.testing.assert_allclose(got, np.log(want / (1 - want)), atol=1e-3)
+    # vLLM's older names of use_activation win over it, as vLLM reads them
+    for older in ({"activation": False}, {"softmax": False, "use_activation": True}):
+        got, _ = _scores(base, path, **{**body, "use_activation": None, **older})
+        np.testing.assert_allclose(got, np.log(want / (1 - want)), atol=1e-3)
 
 
 def test_vllm_score_cuts_only_when_asked(base: str, dirs: dict[str, Path]) -> None:
