@@ -143,6 +143,7 @@ class Prepared:
     # the model's token texts when the request asked for logprobs (sampling.top_logprobs)
     pieces: TokenPieces | None = None
     n: int = 1  # choices per prompt
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
     tools: ToolPlan | None = None  # how a chat answer's tool calls are read
 
 
@@ -446,13 +447,17 @@ class GenerationService:
         if n > 1:
             self._gateway().check_count(len(prompts) * n, "n", "choices (prompts x n)")
         longest = max(int(p.size) for p in prompts)
+        options = req.stream_options
         return Prepared(
             model=model.name,
             prompts=prompts,
             sampling=sampling,
             budget=max_tokens if max_tokens is not None else context - longest,
             stream=bool(req.stream),
-            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            include_usage=bool(options and options.include_usage),
+            continuous_usage=bool(
+                options and options.include_usage and options.continuous_usage_stats
+            ),
             param=param,
             started=started,
             tokenize_s=time.perf_counter() - started,

@@ -89,6 +89,17 @@ def _usage(outcomes: Sequence[Outcome], n: int) -> GenerationUsage:
     )
 
 
+def _running_usage(
+    prepared: Prepared, generations: Sequence[Generation]
+) -> Callable[[], GenerationUsage | None]:
+    """The usage so far, for vLLM's ``stream_options.continuous_usage_stats`` (each chunk
+    carries it); a function giving None when the request did not ask."""
+    if not prepared.continuous_usage:
+        return lambda: None
+    prompt = sum(g.prompt_tokens for g in generations[:: prepared.n])
+    return lambda: GenerationUsage.of(prompt, sum(g.completion_tokens for g in generations))
+
+
 async def _chat_events(
     prepared: Prepared, generations: list[Generation], rid: str, created: int, model: str
 ) -> AsyncGenerator[bytes, None]:
@@ -96,6 +107,7 @@ async def _chat_events(
     kind = ChatCompletionChunkWithUsage if with_usage else ChatCompletionChunk
 
     pieces = prepared.pieces
+    running = _running_usage(prepared, generations)
 
     def chunk(
         index: int,
@@ -104,6 +116,8 @@ async def _chat_events(
         logprobs: ChatLogprobs | None = None,
     ) -> bytes:
         choice = ChatChunkChoice(index, delta, finish, logprobs)  # type: ignore[arg-type]
+        if with_usage:
+            return sse.event(kind(rid, created, model, [choice], usage=running()))
         return sse.event(kind(rid, created, model, [choice]))
 
     # with tools to call, each choice's text goes through its reader (`ivy.tools.ToolStream`)
@@ -150,6 +164,7 @@ async def _completion_events(
     kind = CompletionChunkWithUsage if with_usage else CompletionChunk
     pieces = prepared.pieces
     builders = None if pieces is None else [CompletionLogprobsBuilder(pieces) for _ in generations]
+    running = _running_usage(prepared, generations)
     try:
         async for index, message in merge(generations):
             finish = finish_reason(message)  # this message's own, not the generation's
@@ -160,7 +175,10 @@ async def _completion_events(
                     else builders[index].add(message.token_ids, message.logprobs)
                 )
                 choice = CompletionChoice(index, message.text, finish, logprobs)  # type: ignore[arg-type]
-                yield sse.event(kind(rid, created, model, [choice]))
+                if with_usage:
+                    yield sse.event(kind(rid, created, model, [choice], usage=running()))
+                else:
+                    yield sse.event(kind(rid, created, model, [choice]))
     except Exception as exc:  # noqa: BLE001 - reported in the stream, which then ends
         yield _error_event(exc)
         return

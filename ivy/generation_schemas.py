@@ -103,6 +103,10 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        default=False,
+        description="vLLM: with include_usage, every chunk carries the usage so far.",
+    )
 
 
 class JsonSchemaSpec(_Strict):
@@ -428,7 +432,8 @@ class ChatCompletionChunk:
 @dataclass(slots=True)
 class ChatCompletionChunkWithUsage(ChatCompletionChunk):
     """A chunk when `stream_options.include_usage` is set: null until the last event,
-    which has no choices and the request's usage."""
+    which has no choices and the request's usage (with vLLM's `continuous_usage_stats`,
+    every chunk carries the usage so far)."""
 
     usage: GenerationUsage | None = None
 

@@ -193,9 +193,9 @@ def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
 def _required_calls(text: str) -> list[tuple[str, str]] | None:
     try:
         items = json.loads(text)
-    except ValueError:
+        return [(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+    except (ValueError, TypeError, KeyError):
         return None  # cut short (length): the text is the answer
-    return [(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
 
 
 def _call(name: str, arguments: str) -> ToolCallOut:

@@ -513,6 +513,37 @@ def test_completions_stream_several_prompts(base: str, name: str, oracle: Oracle
     assert usage is not None and usage.completion_tokens == 12
 
 
+def test_vllm_continuous_usage_stats(base: str, name: str, oracle: Oracle) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far
+    (the prompt counted once, completion tokens growing to the final count)."""
+    ids = oracle.chat_ids(TWO_PLUS_TWO)
+    _, want_tokens, _ = oracle.greedy(ids, 12)
+    body = {
+        "model": name,
+        "messages": TWO_PLUS_TWO,
+        "max_tokens": 12,
+        "temperature": 0,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+    chunks = [json.loads(e) for e in sse_events(r)[:-1]]
+    usages = [(c["usage"]["prompt_tokens"], c["usage"]["completion_tokens"]) for c in chunks]
+    assert {p for p, _ in usages} == {len(ids)}
+    done = [t for _, t in usages]
+    assert done == sorted(done) and done[0] == 0 and done[-1] == 2 * want_tokens
+    assert chunks[-1]["choices"] == [] and all(c["choices"] for c in chunks[:-1])
+    comp = {"model": name, "prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0}
+    comp |= {"stream": True, "stream_options": body["stream_options"]}
+    events = [
+        json.loads(e)
+        for e in sse_events(httpx.post(f"{base}/v1/completions", json=comp, timeout=120))[:-1]
+    ]
+    assert [e["usage"]["completion_tokens"] for e in events][-1] == 5
+    assert all(e["usage"] is not None for e in events)
+
+
 # ---- n choices per prompt ---------------------------------------------------------------
 
 
