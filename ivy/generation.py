@@ -144,6 +144,7 @@ class Prepared:
     pieces: TokenPieces | None = None
     n: int = 1  # choices per prompt
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
+    echo: list[str] | None = None  # completions' echo: each prompt's text
     tools: ToolPlan | None = None  # how a chat answer's tool calls are read
 
 
@@ -347,8 +348,11 @@ class GenerationService:
         started = time.perf_counter()
         model = self._generator(req.model)
         _check_common(req)
-        if req.echo:
-            raise ValidationError("echo is not supported.", param="echo")
+        if req.echo and req.logprobs is not None:
+            raise ValidationError(
+                "echo with logprobs (the prompt's logprobs) is not supported; echo alone is.",
+                param="echo",
+            )
         if req.best_of is not None and req.best_of != 1:
             raise ValidationError("Only best_of=1 is supported.", param="best_of")
         if req.suffix is not None:
@@ -375,6 +379,12 @@ class GenerationService:
                 )
         max_tokens = req.max_tokens if req.max_tokens is not None else _COMPLETIONS_MAX_TOKENS
         prepared = self._prepared(req, model, prompts, max_tokens, "prompt", "max_tokens", started)
+        if req.echo:  # each prompt's text before its answers: as sent, or its ids decoded
+            if isinstance(prompt, str) or isinstance(prompt[0], str):
+                echo = [prompt] if isinstance(prompt, str) else list(prompt)  # type: ignore[list-item]
+            else:
+                echo = model.decode([p.tolist() for p in prompts], False, param="prompt")
+            prepared = replace(prepared, echo=echo)  # type: ignore[arg-type]
         return await self._with_logprobs(prepared, model, req.logprobs)
 
     async def _with_logprobs(

@@ -100,6 +100,19 @@ def _running_usage(
     return lambda: GenerationUsage.of(prompt, sum(g.completion_tokens for g in generations))
 
 
+def _echoes(prepared: Prepared, choices: int) -> list[str]:
+    """Each choice's echoed prompt (completions' ``echo``), or none."""
+    if prepared.echo is None:
+        return []
+    return [prepared.echo[i // prepared.n] for i in range(choices)]
+
+
+def _usage_field(
+    with_usage: bool, running: Callable[[], GenerationUsage | None]
+) -> dict[str, GenerationUsage | None]:
+    return {"usage": running()} if with_usage else {}
+
+
 async def _chat_events(
     prepared: Prepared, generations: list[Generation], rid: str, created: int, model: str
 ) -> AsyncGenerator[bytes, None]:
@@ -116,9 +129,7 @@ async def _chat_events(
         logprobs: ChatLogprobs | None = None,
     ) -> bytes:
         choice = ChatChunkChoice(index, delta, finish, logprobs)  # type: ignore[arg-type]
-        if with_usage:
-            return sse.event(kind(rid, created, model, [choice], usage=running()))
-        return sse.event(kind(rid, created, model, [choice]))
+        return sse.event(kind(rid, created, model, [choice], **_usage_field(with_usage, running)))
 
     # with tools to call, each choice's text goes through its reader (`ivy.tools.ToolStream`)
     plan = prepared.tools
@@ -166,6 +177,11 @@ async def _completion_events(
     builders = None if pieces is None else [CompletionLogprobsBuilder(pieces) for _ in generations]
     running = _running_usage(prepared, generations)
     try:
+        for index, text in enumerate(_echoes(prepared, len(generations))):
+            choice = CompletionChoice(index, text, None)
+            yield sse.event(
+                kind(rid, created, model, [choice], **_usage_field(with_usage, running))
+            )
         async for index, message in merge(generations):
             finish = finish_reason(message)  # this message's own, not the generation's
             if message.text or finish is not None or (builders and message.token_ids):
@@ -175,10 +191,9 @@ async def _completion_events(
                     else builders[index].add(message.token_ids, message.logprobs)
                 )
                 choice = CompletionChoice(index, message.text, finish, logprobs)  # type: ignore[arg-type]
-                if with_usage:
-                    yield sse.event(kind(rid, created, model, [choice], usage=running()))
-                else:
-                    yield sse.event(kind(rid, created, model, [choice]))
+                yield sse.event(
+                    kind(rid, created, model, [choice], **_usage_field(with_usage, running))
+                )
     except Exception as exc:  # noqa: BLE001 - reported in the stream, which then ends
         yield _error_event(exc)
         return
@@ -252,9 +267,12 @@ def generation_routes(service: GenerationService) -> list[Route]:
             events = _completion_events(prepared, generations, rid, created, req.model)
             return sse.Stream(events, headers, _closer(generations))
         outcomes = await collect(generations)
+        echoes = _echoes(prepared, len(outcomes)) or [""] * len(outcomes)
         choices = [
-            CompletionChoice(i, o.text, o.finish_reason, _completion_logprobs(prepared.pieces, o))  # type: ignore[arg-type]
-            for i, o in enumerate(outcomes)
+            CompletionChoice(
+                i, e + o.text, o.finish_reason, _completion_logprobs(prepared.pieces, o)
+            )  # type: ignore[arg-type]
+            for i, (e, o) in enumerate(zip(echoes, outcomes, strict=True))
         ]
         body = CompletionResponse(rid, created, req.model, choices, _usage(outcomes, prepared.n))
         return Reply(body, headers=headers)

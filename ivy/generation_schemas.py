@@ -272,7 +272,11 @@ class CompletionRequest(_Sampling):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1)]
     ) = Field(description="Text, texts, token ids or lists of token ids.")
-    echo: bool | None = Field(default=False, description="Only false is supported.")
+    echo: bool | None = Field(
+        default=False,
+        description="Each choice's text starts with its prompt (not with logprobs: no "
+        "prompt logprobs).",
+    )
     best_of: int | None = Field(default=None, description="Only 1 is supported.")
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = Field(
         default=None,

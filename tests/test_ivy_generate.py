@@ -474,6 +474,27 @@ def test_completions_list_of_prompts_in_order(base: str, name: str, oracle: Orac
     assert single.choices[0].text == want[1][0]
 
 
+def test_completions_echo_puts_the_prompt_before_the_answer(
+    base: str, name: str, oracle: Oracle
+) -> None:
+    """echo: each choice's text is its prompt (as sent, or its ids decoded with special
+    tokens kept) then the answer, whole and streamed (the prompt in the first chunk)."""
+    client = openai_client(base)
+    want = [oracle.greedy(oracle.tokenizer(p)["input_ids"], 6)[0] for p in PROMPTS[:2]]
+    r = client.completions.create(
+        model=name, prompt=PROMPTS[:2], max_tokens=6, temperature=0, echo=True
+    )
+    assert [c.text for c in r.choices] == [p + w for p, w in zip(PROMPTS, want, strict=False)]
+    ids = oracle.tokenizer(PROMPTS[0])["input_ids"]
+    r = client.completions.create(model=name, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert r.choices[0].text == oracle.tokenizer.decode(ids) + want[0]
+    stream = client.completions.create(
+        model=name, prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True, stream=True
+    )
+    pieces = [c.choices[0].text for c in stream if c.choices]
+    assert pieces[0] == PROMPTS[0] and "".join(pieces) == PROMPTS[0] + want[0]
+
+
 def test_completions_default_max_tokens_is_16(base: str, name: str) -> None:
     r = httpx.post(
         f"{base}/v1/completions",
@@ -987,7 +1008,7 @@ def test_bad_inputs_get_openai_errors(base: str, name: str) -> None:
         ("comp", {**comp, "logprobs": 6}, "logprobs", None),
         ("comp", {**comp, "logprobs": True}, "logprobs", None),
         ("chat", {**chat, "max_tokens": 10_000}, "messages", "context_length_exceeded"),
-        ("comp", {**comp, "echo": True}, "echo", None),
+        ("comp", {**comp, "echo": True, "logprobs": 1}, "echo", None),
         ("comp", {**comp, "n": 129}, "n", None),
         # more choices in all (prompts x n) than a request may have (max_inputs, 2048)
         ("comp", {**comp, "prompt": [[1]] * 17, "n": 128}, "n", None),
