@@ -187,20 +187,23 @@ def test_penalties_outside_openais_range_are_refused(field: str, value: float) -
         SamplingParams(logit_bias=((5, value * 50),))
 
 
-def test_tulip_carries_the_penalties_and_refuses_them_out_of_range() -> None:
+def work(**sampling: object) -> dict[str, object]:
+    """Tulip's reading of a Generate request with these sampling options (a one-token
+    prompt, a 100-token vocabulary, a 64-token context), as SamplingParams' arguments."""
     from protos.trellis.v1 import inference_pb2 as pb
-    from tulip.errors import InvalidInput
     from tulip.inputs import ModelLimits, generate_work
 
     limits = ModelLimits(
         kind="generator", vocab_size=100, max_input_tokens=64, dimensions=0, default_normalize=False
     )
+    request = pb.GenerateRequest(
+        prompt_ids=(1).to_bytes(4, "little"), sampling=pb.SamplingOptions(**sampling)
+    )
+    return generate_work(request, limits).sampling_kwargs(4)
 
-    def work(**sampling: object) -> dict[str, object]:
-        request = pb.GenerateRequest(
-            prompt_ids=(1).to_bytes(4, "little"), sampling=pb.SamplingOptions(**sampling)
-        )
-        return generate_work(request, limits).sampling_kwargs(4)
+
+def test_tulip_carries_the_penalties_and_refuses_them_out_of_range() -> None:
+    from tulip.errors import InvalidInput
 
     got = work(presence_penalty=1.5, frequency_penalty=-0.5, logit_bias={7: -100.0, 2: 1.5})
     assert (got["presence_penalty"], got["frequency_penalty"]) == (1.5, -0.5)
@@ -373,19 +376,7 @@ def test_vllm_settings_out_of_range_are_refused(field: str, value: float) -> Non
 
 
 def test_tulip_carries_vllm_settings_and_refuses_them_out_of_range() -> None:
-    from protos.trellis.v1 import inference_pb2 as pb
     from tulip.errors import InvalidInput
-    from tulip.inputs import ModelLimits, generate_work
-
-    limits = ModelLimits(
-        kind="generator", vocab_size=100, max_input_tokens=64, dimensions=0, default_normalize=False
-    )
-
-    def work(**sampling: object) -> dict[str, object]:
-        request = pb.GenerateRequest(
-            prompt_ids=(1).to_bytes(4, "little"), sampling=pb.SamplingOptions(**sampling)
-        )
-        return generate_work(request, limits).sampling_kwargs(4)
 
     got = work(repetition_penalty=1.25, min_p=0.25, min_tokens=3, max_tokens=4)
     assert (got["repetition_penalty"], got["min_p"], got["min_tokens"]) == (1.25, 0.25, 3)
