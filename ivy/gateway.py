@@ -866,7 +866,8 @@ class Gateway:
         limit = spec.max_input_tokens
         max_length = _truncation(limit, req.truncate_prompt_tokens)
         left = req.truncation_side == "left"
-        self._check_chars(a + b, b_name)
+        self._check_chars(a, a_name)
+        self._check_chars(b, b_name)
         t0 = time.perf_counter()
         deadline, claim = self._admit(name, a + b)
         with claim:

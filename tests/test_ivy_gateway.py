@@ -992,6 +992,14 @@ def test_tokenize_and_rerank_query_have_a_character_cap(
             f"{base}/v1/rerank", json={"model": "fake", "query": long, "documents": ["w2"]}
         )
         assert_error(r, 400, "query")
+        # vLLM's /score names the side whose text is over the cap
+        for sides, param in (
+            ({"text_1": long, "text_2": "w2"}, "text_1"),
+            ({"text_1": "w2", "text_2": ["w2", long]}, "text_2"),
+        ):
+            r = httpx.post(f"{base}/score", json={"model": "fake", **sides})
+            err = assert_error(r, 400, param)
+            assert "179 characters" in err["message"]
         r = httpx.post(f"{base}/tokenize", json={"model": "fake", "input": "w2 w3"})
         assert r.status_code == 200
 
