@@ -27,7 +27,7 @@ import json
 import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ivy.chat_template import ChatTemplate
@@ -44,7 +44,7 @@ from ivy.schemas import Tool
 
 __all__ = ["ToolPlan", "ToolStream", "parse_hermes", "plan_tools", "template_tools"]
 
-_START, _END = "<tool_call>", "</tool_call>"
+_START = "<tool_call>"
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)$", re.DOTALL)
 
 
@@ -210,7 +210,7 @@ class ToolStream:
     plan: ToolPlan
     _held: str = ""  # auto: text that may start a call; required: the whole answer
     _calling: bool = False  # auto: a call has started (the rest is held)
-    _named: ToolCallOut | None = field(default=None)
+    _named: ToolCallOut | None = None  # named: the call, once its first piece is sent
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
         mode = self.plan.mode
