@@ -162,6 +162,7 @@ def _tulip_default(method: str) -> tuple[str, dict[str, Any]]:
     label += f" {spec.ngram_draft_per_match} per match" if spec.ngram_draft_per_match else ""
     label += f" dynamic {spec.tree_nodes}" if spec.tree_nodes else ""
     label += f" stop {spec.chain_min_prob}" if spec.chain_min_prob else ""
+    label += f" lookup {spec.lookup_min_match}" if spec.lookup_min_match else ""
     return label, settings
 
 
@@ -198,6 +199,21 @@ MTP_METHODS: dict[str, dict[str, Any]] = {
     "mtp tree k=2 widths 3,2": {"method": "mtp", "num_draft_tokens": 2, "tree_widths": (3, 2)},
     # a dynamic tree: the 5 nodes the head rates likeliest, up to 4 deep (SpecConfig.tree_nodes)
     "mtp tree k=4 dynamic 5": {"method": "mtp", "num_draft_tokens": 4, "tree_nodes": 5},
+    # the trees again, where the context ends in a repeat of 2+ tokens copying up to 5
+    # tokens from it instead of asking the head (SpecConfig.lookup_min_match): chat answers
+    # repeat the question's names and phrases, where the head keeps about one draft a step
+    "mtp tree k=2 widths 3,2 lookup 2": {
+        "method": "mtp",
+        "num_draft_tokens": 2,
+        "tree_widths": (3, 2),
+        "lookup_min_match": 2,
+    },
+    "mtp tree k=4 dynamic 5 lookup 2": {
+        "method": "mtp",
+        "num_draft_tokens": 4,
+        "tree_nodes": 5,
+        "lookup_min_match": 2,
+    },
     # Tulip's `--spec mtp` default: a dynamic tree of 3 nodes, so a verification pass feeds 4
     # tokens, no more than a chain of 3 does, and the head spends its third node where it is
     # likelier kept (a second guess at depth 1 when unsure, the chain's third token when sure)
@@ -209,6 +225,7 @@ DRAFT_LAYERS = 6
 MTP_PREFIX = "mtp"
 CHAIN_PREFIX = "mtp k="
 TREE_PREFIX = "mtp tree"
+LOOKUP = " lookup "  # in the label of rows that copy long repeats (lookup_min_match)
 BARS = {("chat", MTP_PREFIX): 1.8, ("rag-quote", "ngram"): 3.0}  # issue #24 (#8: 1.5, 1.8)
 REPEAT_ROUNDS = 2  # extra rounds of the MTP rows on chat, for the MTP bar's median
 
@@ -531,12 +548,18 @@ def _write(
                 f"{len(rounds[top])} rounds {med[top]:.2f}x vs bar {bar}x: {verdict} "
                 f"(speed-up per round, the table's first: {spread})"
             )
-            for shape, prefix in (("chains", CHAIN_PREFIX), ("trees", TREE_PREFIX)):
-                own = {m: x for m, x in med.items() if m.startswith(prefix)}
+            shapes = (
+                ("the chains", lambda m: m.startswith(CHAIN_PREFIX)),
+                ("the trees", lambda m: m.startswith(TREE_PREFIX)),
+                ("the head's drafts only (no lookup)", lambda m: LOOKUP not in m),
+                ("the rows with lookup", lambda m: LOOKUP in m),
+            )
+            for shape, keep in shapes:
+                own = {m: x for m, x in med.items() if keep(m)}
                 if own:
                     best_own = max(own, key=lambda m: own[m])
                     lines.append(
-                        f"  - best of the {shape} alone: {best_own}, median {own[best_own]:.2f}x"
+                        f"  - best of {shape} alone: {best_own}, median {own[best_own]:.2f}x"
                     )
             continue
         best = max(cands, key=lambda r: r.tokens_per_s)

@@ -353,7 +353,7 @@ class GenerationEngine:
         spec = self.config.spec
         todo = []
         for r in self.scheduler.running:
-            k = self.scheduler.draft_room_for(r, spec.num_draft_tokens, spec.adaptive_k)
+            k = self.scheduler.draft_room_for(r, spec.max_drafts, spec.adaptive_k)
             if k > 0:
                 todo.append((r, k))
         if not todo:

@@ -471,3 +471,62 @@ def test_a_time_budget_that_cuts_training_short_says_so(target: LlamaForCausalLM
     assert len(warned) == 1 and "1 of 3 epochs complete" in warned[0]
     assert _epochs_note(3, 3, None) == "3 epochs"
     assert _epochs_note(1, 3, 75.0).startswith("1 of 3 epochs (STOPPED EARLY by --minutes 75.0")
+
+
+@pytest.mark.parametrize(
+    "tree", [{}, {"tree_nodes": 4}, {"tree_widths": (3, 2)}], ids=["chain", "dynamic", "widths"]
+)
+def test_lookup_drafts_long_repeats_in_place_of_the_head(
+    target: LlamaForCausalLM, trained: tuple[MTPHead, list[float]], tree: dict[str, object]
+) -> None:
+    """`spec.lookup_min_match`: where the context ends in a repeat of 2+ tokens, a step
+    copies what followed it (up to lookup_drafts = 6, past the head's k = 2), and the head's
+    cache catches up afterwards: at every step its pairs plus the features it still has to
+    feed cover the sequence (pair t: feature t with token t + 1), and the output stays
+    plain greedy's."""
+    head, _ = trained
+    # a prompt, the target's own answer to it, and the prompt again: the answer is in the
+    # context when the target answers a second time
+    firsts = random_prompts(30, 12)
+    answers = [r.output_ids for r in GenerationEngine(target).generate(firsts, GREEDY)]
+    prompts = [p + a + p for p, a in zip(firsts, answers, strict=True)]
+    base = [r.output_ids for r in GenerationEngine(target).generate(prompts, GREEDY)]
+    spec = SpecConfig(method="mtp", num_draft_tokens=2, lookup_min_match=2, lookup_drafts=6, **tree)
+    eng = GenerationEngine(target, GenerationConfig(max_batch=16, spec=spec), mtp_head=head)
+    for p in prompts:
+        eng.add(p, GREEDY)
+    outputs: dict[int, list[int]] = {}
+    while eng.has_unfinished():
+        for res in eng.step():
+            outputs.setdefault(res.seq_id, []).extend(res.new_ids)
+        for r in eng.scheduler.running:
+            state, table = r.spec_state, r.draft_table
+            if state is not None and table is not None:
+                queued = 0 if state.features is None else state.features.shape[0]
+                assert table.length + queued == len(r.tokens) - 1
+    assert [outputs[i] for i in sorted(outputs)] == base
+    st = eng.stats
+    assert len(st.proposed_at) == 6, st.as_dict()  # lookups drafted past the head's k
+    assert sum(st.accepted_at[2:]) > 0, st.as_dict()  # and the target kept some of it
+    assert eng.allocator.num_free == eng.config.kv.num_pages
+
+    plain = SpecConfig(method="mtp", num_draft_tokens=2, **tree)
+    eng0 = GenerationEngine(target, GenerationConfig(max_batch=16, spec=plain), mtp_head=head)
+    assert [r.output_ids for r in eng0.generate(prompts, GREEDY)] == base
+    assert st.emitted / st.steps > eng0.stats.emitted / eng0.stats.steps, (
+        st.as_dict(),
+        eng0.stats.as_dict(),
+    )
+
+
+def test_lookup_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="lookup_min_match is for method 'mtp'"):
+        SpecConfig(method="ngram", lookup_min_match=2)
+    with pytest.raises(ValueError, match="within ngram_min..ngram_max"):
+        SpecConfig(method="mtp", lookup_min_match=5)
+    with pytest.raises(ValueError, match="lookup_drafts must be >= 1"):
+        SpecConfig(method="mtp", lookup_min_match=2, lookup_drafts=0)
+    with pytest.raises(ValueError, match="lookup_drafts must be an int >= 0"):
+        SpecConfig(method="mtp", lookup_drafts=True)
+    spec = SpecConfig(method="mtp", num_draft_tokens=2, tree_nodes=4, lookup_min_match=3)
+    assert spec.max_drafts == 5 and spec.max_fed_drafts == 5

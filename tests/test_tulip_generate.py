@@ -102,6 +102,7 @@ def servers(
             *common,
             *("--spec", "mtp", "--mtp-head", str(head_dir)),
             *("--spec-draft-tokens", "2", "--spec-tree", "3,2"),
+            *("--spec-lookup", "0"),  # the head drafts every step: every step a tree
         ],
         log_path=logs / "mtp-tree.log",
     )
@@ -299,6 +300,25 @@ def test_spec_mtp_drafts_a_dynamic_tree_by_default() -> None:
     assert (s.num_draft_tokens, s.tree_nodes, s.chain_min_prob) == (4, 0, 0.15)
     plain = TulipConfig.from_args(["--model", "m", "--spec", "ngram"], {})
     assert plain.tree_nodes == 0
+    assert spec_config(plain).lookup_min_match == 0
+
+
+def test_spec_mtp_copies_long_repeats_by_default() -> None:
+    """``--spec mtp`` alone copies from the context on a repeat of 2+ tokens (5 drafts at
+    most); --spec-lookup sets the match, 0 turns it off, --spec-lookup-drafts the copy."""
+
+    def lookup(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, int, int]:
+        config = TulipConfig.from_args(["--model", "m", "--mtp-head", "h", *argv], env or {})
+        s = spec_config(config)
+        return s.lookup_min_match, s.lookup_drafts, s.max_fed_drafts
+
+    assert lookup(["--spec", "mtp"]) == (2, 5, 5)
+    assert lookup(["--spec", "mtp", "--spec-lookup", "3", "--spec-lookup-drafts", "8"]) == (
+        3,
+        8,
+        8,
+    )
+    assert lookup(["--spec", "mtp"], {"TULIP_SPEC_LOOKUP": "0"}) == (0, 5, 3)
 
 
 @pytest.mark.parametrize(
@@ -321,6 +341,9 @@ def test_spec_mtp_drafts_a_dynamic_tree_by_default() -> None:
             "--spec-tree-nodes",
         ),
         (["--spec-chain-min-prob", "0.2"], "--spec-chain-min-prob"),
+        (["--spec", "ngram", "--spec-lookup", "2"], "--spec-lookup"),
+        (["--spec", "mtp", "--mtp-head", "h", "--spec-lookup", "5"], "--spec-lookup"),
+        (["--spec", "mtp", "--mtp-head", "h", "--spec-lookup-drafts", "0"], "--spec-lookup-drafts"),
         (
             ["--spec", "mtp", "--mtp-head", "h", "--spec-chain-min-prob", "1"],
             "--spec-chain-min-prob",

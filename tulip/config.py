@@ -31,6 +31,8 @@ _SPEC_METHODS = ("none", "ngram", "draft", "mtp")
 # the best chain 1.57x).
 _MTP_TREE_NODES = 3
 _MTP_TREE_DEPTH = 3
+# --spec mtp's default --spec-lookup: a 2-token repeat copies (bench/results/spec.md)
+_MTP_LOOKUP = 2
 _RUNNERS = ("auto", "generate", "pooling")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -124,6 +126,13 @@ class TulipConfig:
     """``--spec mtp``, chains: stop a sequence's chain once the head's probability for all of
     it falls below this, ``--spec-draft-tokens`` being the longest (`SpecConfig.chain_min_prob`);
     0: fixed-length chains."""
+    spec_lookup: int | None = None
+    """``--spec mtp``: a step whose context ends in a repeat of this many tokens or more (up
+    to 4) copies what followed the earlier occurrence, up to ``--spec-lookup-drafts``
+    tokens, instead of asking the head (`SpecConfig.lookup_min_match`); 0: off; None:
+    `_MTP_LOOKUP`."""
+    spec_lookup_drafts: int = 5
+    """``--spec mtp`` with lookups: tokens a lookup copies at most (`SpecConfig.lookup_drafts`)."""
     draft_model: str = ""
     """``--spec draft``: the drafter's model (directory, asset name or Hub id; same tokenizer)."""
     draft_layers: int = 0
@@ -230,6 +239,14 @@ class TulipConfig:
             raise ConfigError("--spec-chain-min-prob is only used with --spec mtp")
         if self.spec_chain_min_prob and (self.spec_tree or self.spec_tree_nodes):
             raise ConfigError("--spec-chain-min-prob is for chains, not --spec-tree(-nodes)")
+        if self.spec_lookup is not None and not 0 <= self.spec_lookup <= 4:
+            raise ConfigError(f"--spec-lookup must be 0 (off) or 1..4, got {self.spec_lookup}")
+        if self.spec_lookup and self.spec != "mtp":
+            raise ConfigError("--spec-lookup is only used with --spec mtp")
+        if self.spec_lookup_drafts < 1:
+            raise ConfigError(
+                f"--spec-lookup-drafts must be at least 1, got {self.spec_lookup_drafts}"
+            )
         if self.spec_adaptive and self.spec not in ("ngram", "draft"):
             raise ConfigError("--spec-adaptive is only used with --spec ngram or draft")
         if self.spec_ngram_per_match is not None:
@@ -257,6 +274,14 @@ class TulipConfig:
         if self.spec == "ngram" and (self.ngram_per_match or self.spec_adaptive):
             return 16
         return _MTP_TREE_DEPTH if self._default_tree else 4
+
+    @property
+    def lookup_min_match(self) -> int:
+        """``--spec-lookup``, or by method when not given: `_MTP_LOOKUP` for ``--spec mtp``,
+        else 0."""
+        if self.spec_lookup is not None:
+            return self.spec_lookup
+        return _MTP_LOOKUP if self.spec == "mtp" else 0
 
     @property
     def tree_nodes(self) -> int:
@@ -413,6 +438,17 @@ def _parser() -> argparse.ArgumentParser:
         "--spec-chain-min-prob",
         type=float,
         help="--spec mtp: stop a chain below this head probability (default 0: fixed length)",
+    )
+    gen.add_argument(
+        "--spec-lookup",
+        type=int,
+        help="--spec mtp: copy from the context instead of drafting where it ends in a "
+        f"repeat of N+ tokens, 0: off (default {_MTP_LOOKUP})",
+    )
+    gen.add_argument(
+        "--spec-lookup-drafts",
+        type=int,
+        help="--spec mtp with --spec-lookup: tokens a copy drafts at most (default 5)",
     )
     gen.add_argument("--draft-model", help="--spec draft: drafter directory, asset name or Hub id")
     gen.add_argument(

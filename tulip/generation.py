@@ -114,6 +114,8 @@ def spec_config(config: TulipConfig) -> SpecConfig:
         tree_widths=config.spec_tree_widths,
         tree_nodes=config.tree_nodes,
         chain_min_prob=config.spec_chain_min_prob,
+        lookup_min_match=config.lookup_min_match,
+        lookup_drafts=config.spec_lookup_drafts,
     )
 
 

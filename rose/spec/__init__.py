@@ -13,6 +13,8 @@
 - `rose.spec.mtp` / `rose.spec.train_mtp`: the MTP / EAGLE head and its training command.
   Greedy chains are accepted on the device and the next chain drafted in the same step
   (`MTPDrafter.chain_after_verify`, `SpecConfig.device_chain`): one read back per step.
+  Where the context ends in a long repeat, a step copies from it instead of asking the
+  head (`SpecConfig.lookup_min_match`).
 - `rose.spec.tree`: draft trees for greedy MTP requests — the chain plus the head's
   runner-up tokens as leaves, verified in the same pass under a tree mask.
 - `SpecConfig`: which method, how many tokens, validated once here (Tulip maps its flags to

@@ -52,6 +52,13 @@ class SpecConfig:
         `python -m bench chain_stop` measures it per head: 0.15 with k = 5 for the
         SmolLM2-135M head on one CPU thread with bf16 drafts (1.83x against 1.76x for a
         fixed k = 3 on its tuning prompts, with 0.1-0.35 all within 2% of it).
+    lookup_min_match: MTP only: a step whose context ends in this many tokens (or more, up
+        to ngram_max) that occurred earlier copies what followed them (prompt lookup,
+        `rose.spec.ngram`) instead of asking the head, ``lookup_drafts`` tokens at most; the
+        head's cache catches up on the kept tokens' features at its next step. A long match
+        is the better guess: copied text (a quoted name, a repeated phrase, code) runs on for
+        several tokens, where the head keeps about one draft per step. 0: off.
+    lookup_drafts: tokens a lookup step copies at most (lookup_min_match).
     device_chain: MTP chains when every running request is greedy: "on" accepts on the
     device and drafts the next chain in the same step, reading the outcome back once after
     it (`rose.spec.mtp.MTPDrafter.chain_after_verify`), so that on a GPU no host
@@ -72,6 +79,8 @@ class SpecConfig:
     tree_widths: tuple[int, ...] = ()
     tree_nodes: int = 0
     chain_min_prob: float = 0.0
+    lookup_min_match: int = 0
+    lookup_drafts: int = 5
     device_chain: str = "auto"
 
     def next_draft_len(self, drafted: int, kept: int) -> int:
@@ -83,11 +92,21 @@ class SpecConfig:
         return max(1, drafted - 1)
 
     @property
+    def max_drafts(self) -> int:
+        """Most drafts one step proposes per sequence: the chain's num_draft_tokens, or a
+        lookup's lookup_drafts when longer (lookup_min_match)."""
+        if self.lookup_min_match:
+            return max(self.num_draft_tokens, self.lookup_drafts)
+        return self.num_draft_tokens
+
+    @property
     def max_fed_drafts(self) -> int:
         """Most draft tokens one verification pass feeds per sequence (tree nodes included)."""
         if self.tree_nodes:
-            return max(self.num_draft_tokens, self.tree_nodes)
-        return self.num_draft_tokens + sum(w - 1 for w in self.tree_widths)
+            most = max(self.num_draft_tokens, self.tree_nodes)
+        else:
+            most = self.num_draft_tokens + sum(w - 1 for w in self.tree_widths)
+        return max(most, self.max_drafts)
 
     def __post_init__(self) -> None:
         methods = proposer_methods()
@@ -125,6 +144,22 @@ class SpecConfig:
             )
         if isinstance(self.tree_nodes, bool) or not isinstance(self.tree_nodes, int):
             raise ValueError(f"spec.tree_nodes must be an int, got {self.tree_nodes!r}")
+        for name in ("lookup_min_match", "lookup_drafts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"spec.{name} must be an int >= 0, got {value!r}")
+        if self.lookup_min_match and self.method != "mtp":
+            raise ValueError(
+                f"spec.lookup_min_match is for method 'mtp' (lookup in place of the head), "
+                f"got method {self.method!r}"
+            )
+        if self.lookup_min_match and not self.ngram_min <= self.lookup_min_match <= self.ngram_max:
+            raise ValueError(
+                f"spec.lookup_min_match must be within ngram_min..ngram_max "
+                f"({self.ngram_min}..{self.ngram_max}), got {self.lookup_min_match}"
+            )
+        if self.lookup_min_match and self.lookup_drafts < 1:
+            raise ValueError("spec.lookup_drafts must be >= 1 with spec.lookup_min_match")
         if self.tree_nodes < 0:
             raise ValueError(f"spec.tree_nodes must be >= 0, got {self.tree_nodes}")
         if self.tree_nodes and self.method != "mtp":

@@ -45,6 +45,7 @@ from rose.packed import PackedLinear, can_pack, pack_linears
 from rose.quant import Int4Linear, int4_available, int4_fits, quantize_linears
 from rose.sampling import SamplingParams, sample, token_probs
 from rose.spec.draft_model import ModelDrafter
+from rose.spec.ngram import NgramDrafter
 from rose.spec.proposer import Proposal, ProposerInputs, Verified
 from rose.spec.tree import DraftTree, DynamicTree
 
@@ -654,6 +655,11 @@ class MTPProposer:
         self.drafter = drafter
         self.spec = spec
         self.target_features = drafter.head.config.target_request
+        # prompt lookup in place of the head on long matches (SpecConfig.lookup_min_match):
+        # a drafter that matches only suffixes that long
+        self.lookup = (
+            NgramDrafter(spec.ngram_max, spec.lookup_min_match) if spec.lookup_min_match else None
+        )
 
     @staticmethod
     def build(inputs: ProposerInputs) -> MTPProposer:
@@ -672,15 +678,26 @@ class MTPProposer:
         return MTPProposer(drafter, inputs.spec)
 
     def propose(self, todo: Sequence[tuple[Request, int]]) -> list[Proposal | None]:
-        """Chains drafted at the end of the last step where there are some, else the head
-        drafts from the features it has not seen yet (requests without any get none)."""
+        """A copy from the context where it ends in a long enough repeat (`lookup`), else
+        the chains drafted at the end of the last step where there are some, else the head
+        drafts from the features it has not seen yet (requests without any get none). A
+        lookup leaves the head's cache as it is: the features of the tokens it kept queue
+        behind those not fed yet (`accept`), and the head's next step feeds them all."""
         out: list[Proposal | None] = [None] * len(todo)
         reqs: list[MTPDraftRequest] = []
         owners: list[tuple[int, MTPState, int]] = []
-        for i, (r, k) in enumerate(todo):
+        spec = self.spec
+        for i, (r, room) in enumerate(todo):
             state = r.spec_state
             if state is None or r.draft_table is None:
                 continue
+            if self.lookup is not None:
+                copied = self.lookup.propose(r.tokens, min(room, spec.lookup_drafts))
+                if copied:
+                    state.next_drafts = None  # the head's chain for this step goes unused
+                    out[i] = Proposal(copied)
+                    continue
+            k = min(room, spec.num_draft_tokens)
             if state.next_drafts is not None:
                 d, state.next_drafts = state.next_drafts[:k], None
                 out[i] = Proposal(d) if d else None
@@ -693,7 +710,6 @@ class MTPProposer:
                 owners.append((i, state, r.draft_table.length))
         if not reqs:
             return out
-        spec = self.spec
         proposals = self.drafter.propose(
             reqs, spec.tree_widths, spec.tree_nodes, spec.chain_min_prob
         )
