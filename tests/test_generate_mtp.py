@@ -517,16 +517,3 @@ def test_lookup_drafts_long_repeats_in_place_of_the_head(
         st.as_dict(),
         eng0.stats.as_dict(),
     )
-
-
-def test_lookup_settings_are_checked() -> None:
-    with pytest.raises(ValueError, match="lookup_min_match is for method 'mtp'"):
-        SpecConfig(method="ngram", lookup_min_match=2)
-    with pytest.raises(ValueError, match="within ngram_min..ngram_max"):
-        SpecConfig(method="mtp", lookup_min_match=5)
-    with pytest.raises(ValueError, match="lookup_drafts must be >= 1"):
-        SpecConfig(method="mtp", lookup_min_match=2, lookup_drafts=0)
-    with pytest.raises(ValueError, match="lookup_drafts must be an int >= 0"):
-        SpecConfig(method="mtp", lookup_drafts=True)
-    spec = SpecConfig(method="mtp", num_draft_tokens=2, tree_nodes=4, lookup_min_match=3)
-    assert spec.max_drafts == 5 and spec.max_fed_drafts == 5

@@ -310,6 +310,16 @@ def test_config_errors_name_the_key(target: LlamaForCausalLM) -> None:
         SpecConfig(method="ngram", chain_min_prob=0.2)
     with pytest.raises(ValueError, match="spec.chain_min_prob"):
         SpecConfig(method="mtp", chain_min_prob=0.2, tree_nodes=4)
+    with pytest.raises(ValueError, match="lookup_min_match is for method 'mtp'"):
+        SpecConfig(method="ngram", lookup_min_match=2)
+    with pytest.raises(ValueError, match="within ngram_min..ngram_max"):
+        SpecConfig(method="mtp", lookup_min_match=5)
+    with pytest.raises(ValueError, match="lookup_drafts must be >= 1"):
+        SpecConfig(method="mtp", lookup_min_match=2, lookup_drafts=0)
+    with pytest.raises(ValueError, match="lookup_drafts must be an int >= 0"):
+        SpecConfig(method="mtp", lookup_drafts=True)
+    lookup = SpecConfig(method="mtp", num_draft_tokens=2, tree_nodes=4, lookup_min_match=3)
+    assert lookup.max_drafts == 5 and lookup.max_fed_drafts == 5
     with pytest.raises(ValueError, match="generation.max_batch"):
         GenerationConfig(max_batch=0)
     with pytest.raises(ValueError, match="needs a drafter"):
