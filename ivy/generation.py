@@ -159,6 +159,8 @@ class Outcome:
     # when the request asked for logprobs: every generated token and its numbers
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    # when it asked for the prompt's too (echo with logprobs): one per prompt token after the first
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
 
 
 class Generation:
@@ -180,10 +182,12 @@ class Generation:
         param: str,
         logprobs: bool = False,
         reopen: Callable[[], Awaitable[Generation]] | None = None,
+        prompt_logprobs: bool = False,
     ) -> None:
         self._call = call
         self.reopen = reopen
         self._logprobs = logprobs
+        self._prompt_logprobs = list(first.prompt_logprobs) if prompt_logprobs else None
         self._param = param
         self._first: pb.GenerateResponse | None = first
         self._replica = replica
@@ -251,6 +255,20 @@ class Generation:
             if message.HasField("usage"):
                 self.usage = message.usage
 
+    def prompt_logprobs(self) -> list[pb.TokenLogprob]:
+        """The prompt's logprobs, from the first message: one per prompt token after the
+        first (empty unless the request asked for them, `SamplingOptions.prompt_logprobs`)."""
+        scores = self._prompt_logprobs
+        if scores is None:
+            return []
+        if len(scores) != max(self.prompt_tokens - 1, 0):
+            self._outcome = "error"
+            raise UpstreamError(
+                f"The replica sent {len(scores)} prompt logprobs for {self.prompt_tokens} "
+                f"prompt tokens (does it predate prompt logprobs?)."
+            )
+        return scores
+
     def outcome(
         self,
         text: str,
@@ -262,7 +280,13 @@ class Generation:
         if self.usage is not None and (self.usage.prompt_tokens or self.usage.completion_tokens):
             prompt, completion = self.usage.prompt_tokens, self.usage.completion_tokens
         return Outcome(
-            text, self.finish_reason or "stop", prompt, completion, token_ids or [], logprobs or []
+            text,
+            self.finish_reason or "stop",
+            prompt,
+            completion,
+            token_ids or [],
+            logprobs or [],
+            self.prompt_logprobs(),
         )
 
     def close(self) -> None:
@@ -348,11 +372,6 @@ class GenerationService:
         started = time.perf_counter()
         model = self._generator(req.model)
         _check_common(req)
-        if req.echo and req.logprobs is not None:
-            raise ValidationError(
-                "echo with logprobs (the prompt's logprobs) is not supported; echo alone is.",
-                param="echo",
-            )
         if req.best_of is not None and req.best_of != 1:
             raise ValidationError("Only best_of=1 is supported.", param="best_of")
         if req.suffix is not None:
@@ -385,6 +404,8 @@ class GenerationService:
             else:
                 echo = model.decode([p.tolist() for p in prompts], False, param="prompt")
             prepared = replace(prepared, echo=echo)  # type: ignore[arg-type]
+            if req.logprobs is not None:  # the prompt's tokens get theirs too
+                prepared.sampling.prompt_logprobs = req.logprobs
         return await self._with_logprobs(prepared, model, req.logprobs)
 
     async def _with_logprobs(
@@ -555,6 +576,7 @@ class GenerationService:
             self.metrics,
             prepared.param,
             logprobs=prepared.pieces is not None,
+            prompt_logprobs=sampling.HasField("prompt_logprobs"),
             reopen=None
             if again
             else functools.partial(self._open_one, prepared, ids, sampling, deadline, again=True),

@@ -178,7 +178,12 @@ async def _completion_events(
     running = _running_usage(prepared, generations)
     try:
         for index, text in enumerate(_echoes(prepared, len(generations))):
-            choice = CompletionChoice(index, text, None)
+            logprobs = None
+            if builders is not None and prepared.sampling.HasField("prompt_logprobs"):
+                ids = prepared.prompts[index // prepared.n].tolist()
+                scores = generations[index].prompt_logprobs()
+                logprobs = builders[index].add_prompt(ids, scores)
+            choice = CompletionChoice(index, text, None, logprobs)  # type: ignore[arg-type]
             yield sse.event(
                 kind(rid, created, model, [choice], **_usage_field(with_usage, running))
             )
@@ -220,10 +225,24 @@ def _chat_choice(prepared: Prepared, index: int, outcome: Outcome) -> ChatChoice
     return ChatChoice(index, message, finish, _chat_logprobs(prepared.pieces, outcome))  # type: ignore[arg-type]
 
 
-def _completion_logprobs(pieces: TokenPieces | None, outcome: Outcome) -> CompletionLogprobs | None:
-    if pieces is None:
+def _completion_logprobs(
+    prepared: Prepared, index: int, outcome: Outcome
+) -> CompletionLogprobs | None:
+    """Choice ``index``'s legacy logprobs: its echoed prompt's tokens (when the request
+    asked for them), then the generated ones."""
+    if prepared.pieces is None:
         return None
-    return CompletionLogprobsBuilder(pieces).add(outcome.token_ids, outcome.logprobs)
+    builder = CompletionLogprobsBuilder(prepared.pieces)
+    out = CompletionLogprobs([], [], [], [])
+    if prepared.sampling.HasField("prompt_logprobs"):
+        ids = prepared.prompts[index // prepared.n].tolist()
+        out = builder.add_prompt(ids, outcome.prompt_logprobs)
+    generated = builder.add(outcome.token_ids, outcome.logprobs)
+    out.tokens += generated.tokens
+    out.token_logprobs += generated.token_logprobs
+    out.top_logprobs += generated.top_logprobs
+    out.text_offset += generated.text_offset
+    return out
 
 
 def _closer(generations: Sequence[Generation]) -> Callable[[], None]:
@@ -269,9 +288,7 @@ def generation_routes(service: GenerationService) -> list[Route]:
         outcomes = await collect(generations)
         echoes = _echoes(prepared, len(outcomes)) or [""] * len(outcomes)
         choices = [
-            CompletionChoice(
-                i, e + o.text, o.finish_reason, _completion_logprobs(prepared.pieces, o)
-            )  # type: ignore[arg-type]
+            CompletionChoice(i, e + o.text, o.finish_reason, _completion_logprobs(prepared, i, o))  # type: ignore[arg-type]
             for i, (e, o) in enumerate(zip(echoes, outcomes, strict=True))
         ]
         body = CompletionResponse(rid, created, req.model, choices, _usage(outcomes, prepared.n))

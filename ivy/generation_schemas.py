@@ -274,8 +274,8 @@ class CompletionRequest(_Sampling):
     ) = Field(description="Text, texts, token ids or lists of token ids.")
     echo: bool | None = Field(
         default=False,
-        description="Each choice's text starts with its prompt (not with logprobs: no "
-        "prompt logprobs).",
+        description="Each choice's text starts with its prompt; with `logprobs`, so do its "
+        "logprobs (the prompt's tokens', the first with none: what scoring a text uses).",
     )
     best_of: int | None = Field(default=None, description="Only 1 is supported.")
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = Field(

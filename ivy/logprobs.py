@@ -189,18 +189,36 @@ class CompletionLogprobsBuilder:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def add(self, ids: Sequence[int], entries: Sequence[pb.TokenLogprob]) -> CompletionLogprobs:
+        """Generated tokens, one entry each."""
         _check(ids, entries)
-        pieces = self._pieces
         out = CompletionLogprobs([], [], [], [])
         for token, e in zip(ids, entries, strict=True):
-            text = pieces.text_of(token)
-            top: dict[str, float] = {}
+            self._append(out, token, e)
+        return out
+
+    def add_prompt(
+        self, ids: Sequence[int], entries: Sequence[pb.TokenLogprob]
+    ) -> CompletionLogprobs:
+        """An echoed prompt's tokens, before the generated ones: ``entries`` score every
+        token but the first, which nothing precedes (its logprob and alternatives are null,
+        as in OpenAI's API)."""
+        _check(ids[1:], entries)
+        out = CompletionLogprobs([], [], [], [])
+        for j, token in enumerate(ids):
+            self._append(out, token, entries[j - 1] if j else None)
+        return out
+
+    def _append(self, out: CompletionLogprobs, token: int, e: pb.TokenLogprob | None) -> None:
+        pieces = self._pieces
+        text = pieces.text_of(token)
+        top: dict[str, float] | None = None
+        if e is not None:
+            top = {}
             for t, v in zip(e.top_ids, e.top_logprobs, strict=True):
                 top.setdefault(pieces.text_of(t), v)
             top.setdefault(text, e.logprob)
-            out.tokens.append(text)
-            out.token_logprobs.append(e.logprob)
-            out.top_logprobs.append(top)
-            out.text_offset.append(self._chars)
-            self._chars += len(self._decoder.decode(pieces.bytes_of(token)))
-        return out
+        out.tokens.append(text)
+        out.token_logprobs.append(None if e is None else e.logprob)
+        out.top_logprobs.append(top)
+        out.text_offset.append(self._chars)
+        self._chars += len(self._decoder.decode(pieces.bytes_of(token)))

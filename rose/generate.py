@@ -100,6 +100,8 @@ class GenerationConfig:
 class StepOutput:
     """Tokens a sequence emitted in one step; finish_reason set on its last step.
     logprobs: one per new id when the request asked (`SamplingParams.logprobs`), else None.
+    prompt_logprobs: on a sequence's first output when it asked
+    (`SamplingParams.prompt_logprobs`): one per prompt token after the first, else None.
     error: why the sequence failed in this step on its own (its draw raised); it is dropped
     from the engine, and the other sequences of the step go on (None: no failure)."""
 
@@ -108,6 +110,7 @@ class StepOutput:
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class GenerationFailed(RuntimeError):
@@ -122,6 +125,7 @@ class GenerationResult:
     finish_reason: FinishReason
     text: str | None  # decoded output (cut before a stop string) when a detokenizer is set
     logprobs: list[TokenLogprob] | None = None  # one per output id when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt id after the first
 
 
 class GenerationEngine:
@@ -267,12 +271,14 @@ class GenerationEngine:
                 s.ids,
                 len(s.drafts) + 1 if s.emits else 0,
                 None if s.request.proposal is None else s.request.proposal.tree,
+                _scored(s),
             )
             for s in batch
         ]
         t0 = time.perf_counter()
         out = self.runner.forward(chunks, p.target_features if p is not None else False)
         failed: dict[int, str] = {}  # seq_id -> why its draw failed (it alone)
+        raw = out.logits  # what logprobs read: the model's own, after a grammar's mask
         if chain is not None:
             verify_s = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -280,16 +286,20 @@ class GenerationEngine:
             self.stats.draft_s += time.perf_counter() - t1
             outcomes = [(list(range(n)), tok) for n, tok in chain.settle(batch, back)]
         else:
-            if adjusted:
-                self._adjust(batch, out)
             if constrained:
                 self._mask(batch, out)
+            if adjusted and scored:  # not what penalties and bias make of them
+                raw = out.logits.clone()
+            if adjusted:
+                self._adjust(batch, out)
             # temperature 0: the target's argmax at every verified row, one sync for all
             greedy = any(s.request.params.greedy for s in batch)
             argmax = out.logits.argmax(-1).tolist() if greedy else []
             verify_s = time.perf_counter() - t0
             outcomes, failed = self._accept_each(batch, out, argmax)
-        logprobs = self._logprobs(batch, out, outcomes, scored) if scored else {}
+        logprobs = self._logprobs(batch, out, outcomes, scored, raw) if scored else {}
+        if out.scored is not None:
+            self._score_prompts(batch, out)
         outputs: list[StepOutput] = []
         for i, (s, outcome) in enumerate(zip(batch, outcomes, strict=True)):
             if s.request.seq_id in failed:
@@ -318,12 +328,17 @@ class GenerationEngine:
         logprobs: dict[int, list[TokenLogprob]] = {
             i: [] for i in ids if reqs[i].params.logprobs is not None
         }
+        prompt_logprobs: dict[int, list[TokenLogprob]] = {
+            i: [] for i in ids if reqs[i].params.prompt_logprobs is not None
+        }
         while any(reqs[i].finish_reason is None for i in ids):
             for o in self.step():
                 if o.error is not None and o.seq_id in reqs:
                     raise GenerationFailed(f"sequence {o.seq_id}: {o.error}")
                 if o.logprobs is not None and o.seq_id in logprobs:
                     logprobs[o.seq_id].extend(o.logprobs)
+                if o.prompt_logprobs is not None and o.seq_id in prompt_logprobs:
+                    prompt_logprobs[o.seq_id].extend(o.prompt_logprobs)
         out = []
         for i in ids:
             r = reqs[i]
@@ -339,6 +354,7 @@ class GenerationEngine:
                     r.finish_reason,
                     text,
                     logprobs.get(i),
+                    prompt_logprobs.get(i),
                 )
             )
         return out
@@ -450,8 +466,10 @@ class GenerationEngine:
         out: PassOutput,
         outcomes: list[tuple[list[int], int] | None],
         scored: list[int],
+        logits: torch.Tensor,
     ) -> dict[int, list[TokenLogprob]]:
-        """Log probabilities (`rose.sampling.token_logprobs`) of every token the requests
+        """Log probabilities (`rose.sampling.token_logprobs`, over ``logits``: the pass's
+        rows before penalties and bias) of every token the requests
         at ``scored`` (batch indices) may emit this step: the kept drafts then the next
         token, each from the target's row that produced it (a draft the target accepted
         gets the target's logprob, not the drafter's). Root row 0 (the last pending
@@ -474,7 +492,7 @@ class GenerationEngine:
             return {}
         top = max(batch[i].request.params.logprobs or 0 for i, _, _ in spans)
         index = torch.tensor(rows, dtype=torch.int64, device=out.logits.device)
-        scores = token_logprobs(out.logits.index_select(0, index), chosen, top)
+        scores = token_logprobs(logits.index_select(0, index), chosen, top)
         result = {}
         for i, first, count in spans:
             k = batch[i].request.params.logprobs or 0
@@ -483,6 +501,31 @@ class GenerationEngine:
                 for t in scores[first : first + count]
             ]
         return result
+
+    @staticmethod
+    def _score_prompts(batch: list[Scheduled], out: PassOutput) -> None:
+        """Log probabilities of the prompt tokens this pass scored (`_scored`), kept on each
+        request until its first output carries them; one top-k for the whole step."""
+        assert out.scored is not None
+        chosen: list[int] = []
+        spans: list[tuple[Scheduled, range]] = []
+        for s in batch:
+            positions = _scored(s)
+            if positions:
+                first = s.cached + positions.start
+                spans.append((s, range(first, first + len(positions))))
+                chosen += s.request.tokens[first + 1 : first + 1 + len(positions)]
+        top = max(s.request.params.prompt_logprobs or 0 for s, _ in spans)
+        scores = token_logprobs(out.scored, chosen, top)
+        at = 0
+        for s, positions in spans:
+            r, k = s.request, s.request.params.prompt_logprobs or 0
+            r.prompt_logprobs += [
+                TokenLogprob(t.logprob, t.top_ids[:k], t.top_logprobs[:k])
+                for t in scores[at : at + len(positions)]
+            ]
+            r.prompt_scored = positions.stop
+            at += len(positions)
 
     @staticmethod
     def _until_stop(r: Request, path: list[int]) -> list[int]:
@@ -545,7 +588,10 @@ class GenerationEngine:
         self._append(r, [drafts[j] for j in path] + [nxt])
         # the emitted ids are a prefix of the candidates (`_append` stops at the finish)
         kept = None if logprobs is None else logprobs[: len(r.new_ids)]
-        emitted = StepOutput(r.seq_id, r.new_ids, r.finish_reason, kept)
+        prompt = None
+        if r.prompt_logprobs:  # all scored: the pass that emits first scores the last
+            prompt, r.prompt_logprobs = r.prompt_logprobs, []
+        emitted = StepOutput(r.seq_id, r.new_ids, r.finish_reason, kept, prompt_logprobs=prompt)
         r.new_ids = []
         return emitted
 
@@ -564,3 +610,11 @@ class GenerationEngine:
             if reason is not None:
                 r.finish_reason = reason
                 return
+
+
+def _scored(s: Scheduled) -> range:
+    """The fed tokens (indices into ``s.ids``) whose logits score the prompt token after
+    each: the request's prompt positions still to score (`Request.unscored`) this pass feeds."""
+    todo = s.request.unscored
+    start, stop = max(todo.start, s.cached), min(todo.stop, s.cached + s.pending)
+    return range(start - s.cached, max(start, stop) - s.cached)

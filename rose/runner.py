@@ -2,9 +2,10 @@
 
 A pass is a list of `Chunk`s, one per request: the tokens fed from the request's cached
 length on (a prefill chunk, a decode's pending token, or a pending token and drafts to
-verify, chained or as a tree) and how many of the last of them need logits. The runner
-builds the attention metadata (tree masks included), runs the model on the paged cache and
-returns the logits rows and, when asked, the target's hidden states of every fed token.
+verify, chained or as a tree) and how many of the last of them need logits, and which
+prompt tokens need theirs (prompt logprobs). The runner builds the attention metadata
+(tree masks included), runs the model on the paged cache and returns the logits rows and,
+when asked, the target's hidden states of every fed token.
 
 Invariants: each chunk's table already has room for its tokens (the scheduler reserved
 it); the pass writes their K/V at positions ``cached ..`` and changes no table's length
@@ -32,25 +33,30 @@ __all__ = ["Chunk", "ModelRunner", "PassOutput"]
 class Chunk:
     """One request's rows of a pass: ``ids`` fed from position ``cached`` of ``table``;
     logits for the last ``logits`` of them (0: a prefill chunk short of the prompt's end);
-    ``tree``: the last ``len(tree.tokens)`` ids are this draft tree's nodes."""
+    ``tree``: the last ``len(tree.tokens)`` ids are this draft tree's nodes. ``scored``:
+    fed tokens (indices into ``ids``) whose logits are wanted too, the prompt positions a
+    request scores (`PassOutput.scored`)."""
 
     table: BlockTable
     cached: int
     ids: list[int]
     logits: int
     tree: DraftTree | None = None
+    scored: range = range(0)
 
 
 @dataclass(frozen=True)
 class PassOutput:
     """logits ``[R, V]``: every chunk's logits rows, in chunk order (chunk ``i``'s start at
     ``rows[i]``). hidden ``[T, W]``: the target features of every fed token (chunk ``i``'s
-    start at ``starts[i]``), None unless asked for."""
+    start at ``starts[i]``), None unless asked for. scored ``[S, V]``: the logits of every
+    chunk's ``scored`` tokens, in chunk order, None when no chunk has any."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None
     rows: list[int]
     starts: list[int]
+    scored: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -66,6 +72,7 @@ class ModelRunner:
     ) -> PassOutput:
         """One pass over ``chunks``; ``features``: the model's ``return_all_hidden``."""
         entries, ids, idx, rows, starts = [], [], [], [], []
+        scored_idx: list[int] = []
         trees: list[tuple[int, int, int, DraftTree]] = []
         total = 0
         for b, c in enumerate(chunks):
@@ -74,10 +81,12 @@ class ModelRunner:
             entries.append((c.table, c.cached, len(c.ids)))
             starts.append(total)
             rows.append(len(idx))
+            scored_idx.extend(total + j for j in c.scored)
             ids.extend(c.ids)
             total += len(c.ids)
             idx.extend(range(total - c.logits, total))  # the last c.logits fed tokens
         n_rows = len(idx)
+        idx += scored_idx  # after the emitting rows, so those keep their places
         passed = list(entries)  # what the pass feeds: entries plus any fillers
         fill = self._fillers(entries[-1], total)
         if fill:  # after the last chunk's tokens: attended by nothing real, never kept
@@ -85,13 +94,13 @@ class ModelRunner:
             passed[-1] = (table, cached, fed + fill)
             ids.extend([ids[-1]] * fill)
         meta = tree_metadata(AttentionMetadata.build(passed, device=self.device), trees)
-        if n_rows == 0:  # only prefill chunks short of their prompts' ends: one row anyway
+        if not idx:  # only prefill chunks short of their prompts' ends: one row anyway
             idx = [total - 1]
-        elif 1 < n_rows < self.model.pass_min_rows:
+        elif 1 < len(idx) < self.model.pass_min_rows:
             # where 2-3 rows times the big LM head cost more than 4 (AMD Zen 4, oneDNN's
             # packed kernel: 9.8 vs 6.9 ms at 2 for SmolLM2's 49152 x 576 head on one
             # thread); duplicate rows, drop them after
-            idx += [idx[-1]] * (self.model.pass_min_rows - n_rows)
+            idx += [idx[-1]] * (self.model.pass_min_rows - len(idx))
         fwd = self.model(
             torch.tensor(ids, device=self.device),
             meta,
@@ -100,7 +109,8 @@ class ModelRunner:
             return_all_hidden=features,
         )
         hidden = None if fwd.all_hidden is None else fwd.all_hidden[:total]  # [T, W]
-        return PassOutput(fwd.logits[:n_rows], hidden, rows, starts)
+        scored = fwd.logits[n_rows : n_rows + len(scored_idx)] if scored_idx else None
+        return PassOutput(fwd.logits[:n_rows], hidden, rows, starts, scored)
 
     def move_kv(self, table: BlockTable, src: int, dst: int) -> None:
         """Copy the cached K/V of token ``src`` of ``table`` to token ``dst`` (a draft tree's

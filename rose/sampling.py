@@ -61,6 +61,10 @@ class SamplingParams:
     format (`rose.grammar`; None: free text); it ends at the grammar's end (an EOS id).
     logprobs: report each generated token's log probability with this many most likely
     alternatives (0..MAX_TOP_LOGPROBS; `token_logprobs`); None: none are computed.
+    prompt_logprobs: the same for every prompt token after the first (vLLM's
+    ``prompt_logprobs``, what completions' ``echo`` with ``logprobs`` reports): the log
+    probability the model gives it after the tokens before it, with this many alternatives;
+    None: none are computed.
     presence_penalty, frequency_penalty: OpenAI's, in [-2, 2]: a token's logit is lowered
     by ``frequency_penalty * c + presence_penalty * (c > 0)``, c its count among the tokens
     generated so far. logit_bias: (token id, bias in [-100, 100]) pairs added to those
@@ -84,6 +88,7 @@ class SamplingParams:
     ignore_eos: bool = False
     response_format: JsonFormat | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -104,10 +109,12 @@ class SamplingParams:
             raise ValueError("sampling.stop must not contain empty strings")
         if self.response_format is not None and self.ignore_eos:
             raise ValueError("sampling.ignore_eos cannot be used with a response_format")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(
-                f"sampling.logprobs must be in 0..{MAX_TOP_LOGPROBS} or None, got {self.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(
+                    f"sampling.{name} must be in 0..{MAX_TOP_LOGPROBS} or None, got {value}"
+                )
 
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:  # NaN fails too

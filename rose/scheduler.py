@@ -44,6 +44,11 @@ if TYPE_CHECKING:
 
 __all__ = ["CapacityError", "Request", "Scheduled", "Scheduler", "draft_room"]
 
+PROMPT_LOGPROBS_CHUNK = 512
+"""Most prompt tokens one pass feeds of a request that scores its prompt: each fed token
+gets a logits row (``[tokens, vocabulary]`` fp32, 100 MB at 512 x 49,152), so a long prompt
+is prefilled in chunks of this many."""
+
 
 class CapacityError(OutOfPages):
     """A request can never fit the page pool (answer it as RESOURCE_EXHAUSTED / 429)."""
@@ -59,6 +64,10 @@ class Request:
     proposal: drafts for this step's pass (None: a pass without drafts).
     draft_len: adaptive k, drafts wanted next step (0: not yet set).
     spec_state: whatever the proposer keeps per request (None again after preemption).
+    prompt_scored: prompt positions whose next token's logprob is computed, when the request
+        asked for prompt logprobs (``params.prompt_logprobs``): the pass that feeds position
+        ``t`` scores ``tokens[t + 1]``, for ``t`` in ``0 .. prompt_len - 2``.
+        prompt_logprobs: those not yet emitted (they go out with the first emitted tokens).
     params / generator / stopper / grammar / new_ids / finish_reason: carried for the engine.
     """
 
@@ -76,6 +85,15 @@ class Request:
     grammar: GrammarState | None = None  # response_format's state (`rose.grammar`)
     finish_reason: FinishReason | None = None
     new_ids: list[int] = field(default_factory=list)
+    prompt_scored: int = 0
+    prompt_logprobs: list[Any] = field(default_factory=list)  # rose.sampling.TokenLogprob
+
+    @property
+    def unscored(self) -> range:
+        """Prompt positions still to score (empty unless prompt logprobs were asked for)."""
+        if self.params.prompt_logprobs is None:
+            return range(0)
+        return range(self.prompt_scored, self.prompt_len - 1)
 
     @property
     def output_ids(self) -> list[int]:
@@ -200,7 +218,10 @@ class Scheduler:
             r = self.waiting[0]
             prefix = self.allocator.prefix
             if prefix is not None:  # at least the last token is computed: it gives the logits
-                r.table.adopt(*prefix.lookup(r.tokens, len(r.tokens) - 1))
+                # (and every prompt position still to score: their logits are wanted)
+                todo = r.unscored
+                limit = min(len(r.tokens) - 1, todo.start) if todo else len(r.tokens) - 1
+                r.table.adopt(*prefix.lookup(r.tokens, limit))
             need = r.table.pages_needed(len(r.tokens) + self.draft_room)
             if self.running and not self.allocator.can_allocate(need):
                 r.table.release()
@@ -234,6 +255,8 @@ class Scheduler:
             if r not in self.running:
                 continue  # preempted for an earlier request
             cached, pending = r.table.length, len(r.tokens) - r.table.length
+            if r.unscored and not r.decoding:  # its chunk's rows all get logits: bound them
+                pending = min(pending, PROMPT_LOGPROBS_CHUNK)
             drafts = len(r.proposal.tokens) if r.proposal is not None else 0
             if left is not None:
                 if r.decoding:  # its pending token is counted already

@@ -517,7 +517,6 @@ def completions() -> list[Case]:
         post("temperature-infinity", p, with_(p)[:-1] + b', "temperature": Infinity}'),
         post("seed-2^64", p, with_(p, seed=2**64), param="seed"),
         post("stop-list-too-long-string", p, with_(p, stop=["ok", "x" * 1025]), param="stop"),
-        post("echo-with-logprobs", p, with_(p, echo=True, logprobs=1), param="echo"),
         post("best-of-2", p, with_(p, best_of=2), param="best_of"),
         post("logprobs-6", p, with_(p, logprobs=6), param="logprobs"),  # OpenAI's limit: 5
         post("logprobs-negative", p, with_(p, logprobs=-1), param="logprobs"),

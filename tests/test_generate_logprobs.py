@@ -2,7 +2,10 @@
 `transformers` on the same weights: each emitted token's logprob and its top alternatives
 are ``log_softmax`` of the reference's logits at the position that produced it, with and
 without speculation (accepted drafts carry the target's numbers, not the drafter's), for
-greedy and sampled requests, and requests that did not ask get none."""
+greedy and sampled requests, and requests that did not ask get none; the numbers are the
+model's own under penalties and a logit bias; prompt logprobs (`SamplingParams.prompt_logprobs`)
+score every prompt token after the first, however the prompt is fed (chunked, preempted,
+after a cached prefix)."""
 
 from __future__ import annotations
 
@@ -14,7 +17,9 @@ import tiny_configs
 import torch
 import transformers
 
+import rose.scheduler
 from rose.generate import GenerationConfig, GenerationEngine, GenerationResult
+from rose.kv.allocator import KVCacheConfig
 from rose.models.llama import LlamaForCausalLM
 from rose.sampling import SamplingParams, TokenLogprob, token_logprobs
 from rose.spec import SpecConfig
@@ -163,6 +168,110 @@ def test_logprobs_stop_with_the_output(
     check(ref, prompts[1], r, 1)
 
 
+@pytest.mark.parametrize("adjust", ["logit_bias", "penalties"])
+def test_logprobs_are_the_models_own_under_penalties_and_bias(
+    models: tuple[torch.nn.Module, LlamaForCausalLM], prompts: list[list[int]], adjust: str
+) -> None:
+    """Penalties and a logit bias change which tokens are drawn, not the numbers reported
+    for them (vLLM's raw logprobs): each is log_softmax of transformers' plain logits."""
+    ref, ours = models
+    if adjust == "logit_bias":  # forces token 7 wherever the bias wins
+        over: dict[str, Any] = {"logit_bias": ((7, 30.0), (3, -50.0))}
+    else:
+        over = {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3}
+    params = SamplingParams(max_tokens=10, logprobs=TOP, **over)
+    plain = GenerationEngine(ours).generate(prompts[:4], SamplingParams(max_tokens=10))
+    results = GenerationEngine(ours, GenerationConfig(max_batch=4)).generate(prompts[:4], params)
+    assert any(
+        a.output_ids != b.output_ids for a, b in zip(plain, results, strict=True)
+    )  # the adjustment did change the draw
+    if adjust == "logit_bias":
+        assert all(7 in r.output_ids and 3 not in r.output_ids for r in results)
+    for prompt, r in zip(prompts[:4], results, strict=True):
+        check(ref, prompt, r, TOP)
+
+
+def prompt_reference(ref: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    """log_softmax of the reference's logits at every prompt position but the last:
+    ``[len(prompt) - 1, V]``, row ``t`` the distribution of ``prompt[t + 1]``."""
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits[:-1], dim=-1)
+
+
+@pytest.mark.parametrize("feed", ["whole", "step-budget", "chunk-cap", "preempted", "cached"])
+def test_prompt_logprobs_equal_transformers(
+    models: tuple[torch.nn.Module, LlamaForCausalLM],
+    prompts: list[list[int]],
+    feed: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every prompt token after the first gets its logprob and top alternatives under the
+    tokens before it, from transformers' logits over the whole prompt, and the output is
+    what a request without them generates: fed in one pass, in chunks of a step budget,
+    in chunks of the scoring cap (`rose.scheduler.PROMPT_LOGPROBS_CHUNK`), preempted and
+    recomputed partway, or after its prompt's pages were cached by an earlier request
+    (which it must not adopt: their logits were never computed for it)."""
+    ref, ours = models
+    config = GenerationConfig(max_batch=4)
+    if feed == "step-budget":
+        config = GenerationConfig(max_batch=4, max_step_tokens=6)
+    elif feed == "chunk-cap":
+        monkeypatch.setattr(rose.scheduler, "PROMPT_LOGPROBS_CHUNK", 5)
+    elif feed == "preempted":  # 12 pages of 4 tokens for 8 prompts of up to 31 tokens
+        config = GenerationConfig(
+            kv=KVCacheConfig(num_pages=12, page_size=4), max_batch=4, max_step_tokens=8
+        )
+    preempted = []
+    original = rose.scheduler.Scheduler._preempt
+    monkeypatch.setattr(
+        rose.scheduler.Scheduler,
+        "_preempt",
+        lambda self, r: (preempted.append(r.seq_id), original(self, r)),
+    )
+    eng = GenerationEngine(ours, config)
+    plain = GenerationEngine(ours, config).generate(prompts, SamplingParams(max_tokens=8))
+    if feed == "cached":
+        eng.generate(prompts, SamplingParams(max_tokens=1))
+        assert eng.prefix_cache is not None and eng.prefix_cache.stats.hit_tokens == 0
+    params = [SamplingParams(max_tokens=8, prompt_logprobs=i % 3) for i in range(len(prompts))]
+    results = eng.generate(prompts, params)
+    if feed == "preempted":
+        assert preempted
+    for i, (prompt, r, p) in enumerate(zip(prompts, results, plain, strict=True)):
+        assert r.output_ids == p.output_ids
+        assert r.prompt_logprobs is not None and len(r.prompt_logprobs) == len(prompt) - 1
+        want, top = prompt_reference(ref, prompt), i % 3
+        for t, got in enumerate(r.prompt_logprobs):
+            assert got.logprob == pytest.approx(want[t, prompt[t + 1]].item(), abs=TOL), t
+            values, ids = want[t].topk(top)
+            assert list(got.top_ids) == ids.tolist(), t
+            assert list(got.top_logprobs) == pytest.approx(values.tolist(), abs=TOL), t
+        assert r.logprobs is None  # not asked for
+    if feed == "cached":  # the prompts were cached, and the scored ones did not use them
+        assert eng.prefix_cache is not None and eng.prefix_cache.stats.hit_tokens == 0
+        eng.generate([max(prompts, key=len)], SamplingParams(max_tokens=1))  # one not scoring
+        assert eng.prefix_cache.stats.hit_tokens >= eng.page_size
+
+
+def test_prompt_logprobs_arrive_once_with_the_first_output(
+    models: tuple[torch.nn.Module, LlamaForCausalLM], prompts: list[list[int]]
+) -> None:
+    """On the step stream: the first output of a request that asked carries its prompt's
+    logprobs, later ones none; a request that did not ask gets none."""
+    _, ours = models
+    eng = GenerationEngine(ours, GenerationConfig(max_batch=4, max_step_tokens=6))
+    asked = eng.add(prompts[3], SamplingParams(max_tokens=4, prompt_logprobs=1))
+    other = eng.add(prompts[5], SamplingParams(max_tokens=4))
+    seen: dict[int, list[int | None]] = {asked: [], other: []}
+    while eng.has_unfinished():
+        for o in eng.step():
+            n = None if o.prompt_logprobs is None else len(o.prompt_logprobs)
+            seen[o.seq_id].append(n)
+    assert seen[asked] == [len(prompts[3]) - 1, None, None, None]
+    assert seen[other] == [None] * 4
+
+
 def test_token_logprobs_leaves_out_forbidden_tokens() -> None:
     logits = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")]])
     [t] = token_logprobs(logits, [2], top=3)
@@ -179,6 +288,8 @@ def test_logprobs_is_validated() -> None:
         SamplingParams(logprobs=21)
     with pytest.raises(ValueError, match="sampling.logprobs"):
         SamplingParams(logprobs=-1)
+    with pytest.raises(ValueError, match="sampling.prompt_logprobs must be in 0..20"):
+        SamplingParams(prompt_logprobs=21)
 
 
 @pytest.fixture(scope="module")

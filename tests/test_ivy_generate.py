@@ -949,6 +949,92 @@ def test_completions_logprobs_equal_transformers(
         _check_completion_logprobs(oracle, want, output, lp, 1)
 
 
+def test_completions_echo_with_logprobs_scores_the_prompt(
+    base: str, name: str, oracle: Oracle, reference: Callable[[list[int], list[int]], Any]
+) -> None:
+    """echo with logprobs, as lm-evaluation-harness scores a context and continuation
+    (ids, max_tokens 1, logprobs 1, temperature 0): the choice's logprobs cover the
+    prompt's tokens then the generated one; the first has none (null), every other token
+    its logprob and alternatives under transformers' logits over the whole text, offsets
+    run from the prompt's start; whole and streamed alike, and for a text prompt with n=2."""
+    client = openai_client(base)
+    context = oracle.tokenizer("Question: what is the capital of France? Answer:")["input_ids"]
+    continuation = oracle.tokenizer(" Paris, the capital")["input_ids"]
+    ids = context + continuation
+    generated = int(reference(ids, [0])[0].argmax())  # greedy's token after the prompt
+    want = reference(ids[:1], ids[1:] + [generated])  # [len(ids), V]: row t scores token t+1
+    args: dict[str, Any] = {
+        "model": name,
+        "prompt": ids,
+        "max_tokens": 1,
+        "temperature": 0,
+        "echo": True,
+    }
+    r = client.completions.create(**args, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == oracle.tokenizer.decode(ids) + oracle.tokenizer.decode([generated])
+    assert choice.logprobs is not None
+    lp = choice.logprobs.model_dump()
+    every = [*ids, generated]
+    assert lp["tokens"] == [oracle.token_text(i) for i in every]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(
+        [want[t, i].item() for t, i in enumerate(every[1:])], abs=LOGPROB_TOL
+    )
+    assert lp["text_offset"] == [len(oracle.tokenizer.decode(every[:t])) for t in range(len(every))]
+    for t, (token, top) in enumerate(zip(every[1:], lp["top_logprobs"][1:], strict=True)):
+        chosen = oracle.token_text(token)
+        alts = [(text, None, value) for text, value in top.items()]
+        if len(top) > 1:  # the chosen token, added after the one alternative
+            assert list(top)[-1] == chosen
+            alts = alts[:-1]
+        _check_alternatives(oracle, want[t], alts, 1)
+    # lm-evaluation-harness's reading: the continuation's loglikelihood, and whether each
+    # of its tokens was the greedy one
+    ctxlen = len(context)
+    got = sum(lp["token_logprobs"][ctxlen:-1])
+    expected = sum(want[t - 1, ids[t]].item() for t in range(ctxlen, len(ids)))
+    assert got == pytest.approx(expected, abs=len(continuation) * LOGPROB_TOL)
+    greedy = [
+        tok == max(top.values())
+        for tok, top in zip(
+            lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1], strict=True
+        )
+    ]
+    assert greedy == [int(want[t - 1].argmax()) == ids[t] for t in range(ctxlen, len(ids))]
+
+    with httpx.Client(timeout=120) as http:
+        events = sse_events(
+            http.post(f"{base}/v1/completions", json={**args, "logprobs": 1, "stream": True})
+        )
+    streamed: dict[str, list[Any]] = {key: [] for key in lp}
+    text = ""
+    for event in events[:-1]:
+        for c in json.loads(event)["choices"]:
+            text += c["text"]
+            for key, values in (c["logprobs"] or {}).items():
+                streamed[key] += values
+    assert text == choice.text
+    assert streamed["tokens"] == lp["tokens"] and streamed["text_offset"] == lp["text_offset"]
+    assert streamed["token_logprobs"][0] is None
+    assert streamed["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-6)
+
+    # a text prompt, two choices: each echoes the prompt's scores (no alternatives asked)
+    r = client.completions.create(
+        model=name, prompt=PROMPTS[0], max_tokens=2, temperature=0, echo=True, logprobs=0, n=2
+    )
+    prompt = oracle.tokenizer(PROMPTS[0])["input_ids"]
+    want = reference(prompt[:1], prompt[1:])
+    for c in r.choices:
+        assert c.logprobs is not None
+        assert c.logprobs.tokens[: len(prompt)] == [oracle.token_text(i) for i in prompt]
+        assert c.logprobs.token_logprobs[0] is None
+        assert c.logprobs.token_logprobs[1 : len(prompt)] == pytest.approx(
+            [want[t, i].item() for t, i in enumerate(prompt[1:])], abs=LOGPROB_TOL
+        )
+        assert len(c.logprobs.tokens) == len(prompt) + 2
+
+
 def test_logprobs_follow_the_chosen_tokens_when_sampling(
     base: str, name: str, oracle: Oracle, reference: Callable[[list[int], list[int]], Any]
 ) -> None:
@@ -1008,7 +1094,6 @@ def test_bad_inputs_get_openai_errors(base: str, name: str) -> None:
         ("comp", {**comp, "logprobs": 6}, "logprobs", None),
         ("comp", {**comp, "logprobs": True}, "logprobs", None),
         ("chat", {**chat, "max_tokens": 10_000}, "messages", "context_length_exceeded"),
-        ("comp", {**comp, "echo": True, "logprobs": 1}, "echo", None),
         ("comp", {**comp, "n": 129}, "n", None),
         # more choices in all (prompts x n) than a request may have (max_inputs, 2048)
         ("comp", {**comp, "prompt": [[1]] * 17, "n": 128}, "n", None),

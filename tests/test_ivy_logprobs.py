@@ -150,3 +150,8 @@ def test_tulip_maps_top_logprobs_onto_sampling() -> None:
     assert generate_work(_request(top_logprobs=20), LIMITS).sampling_kwargs(4)["logprobs"] == 20
     with pytest.raises(InvalidInput, match="sampling.top_logprobs"):
         generate_work(_request(top_logprobs=21), LIMITS)
+    work = generate_work(_request(prompt_logprobs=3), LIMITS).sampling_kwargs(4)
+    assert (work["prompt_logprobs"], work["logprobs"]) == (3, None)
+    assert generate_work(_request(), LIMITS).sampling_kwargs(4)["prompt_logprobs"] is None
+    with pytest.raises(InvalidInput, match="sampling.prompt_logprobs: 21 alternatives"):
+        generate_work(_request(prompt_logprobs=21), LIMITS)

@@ -47,6 +47,7 @@ from tulip.textstream import TextStream
 if TYPE_CHECKING:
     from rose.generate import GenerationEngine, StepOutput
     from rose.grammar import Grammars, JsonFormat
+    from rose.sampling import TokenLogprob
     from rose.spec import SpecConfig
 
 __all__ = [
@@ -565,10 +566,9 @@ class GenerationBackend:
         text = request.text.push(output.new_ids, output.finish_reason)
         response = pb.GenerateResponse(token_ids=output.new_ids, text=text)
         if output.logprobs is not None:  # one per token id, beside them
-            response.logprobs.extend(
-                pb.TokenLogprob(logprob=t.logprob, top_ids=t.top_ids, top_logprobs=t.top_logprobs)
-                for t in output.logprobs
-            )
+            response.logprobs.extend(map(_token_logprob, output.logprobs))
+        if output.prompt_logprobs is not None:  # the first output's, once
+            response.prompt_logprobs.extend(map(_token_logprob, output.prompt_logprobs))
         if output.finish_reason is not None:
             del self._live[output.seq_id]
             response.finish_reason = _FINISH.get(output.finish_reason, pb.FINISH_REASON_STOP)
@@ -640,6 +640,10 @@ def _eos_ids(model_dir: Path, from_config: tuple[int, ...]) -> tuple[int, ...]:
             if int(token) not in ids:
                 ids.append(int(token))
     return tuple(ids)
+
+
+def _token_logprob(t: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(logprob=t.logprob, top_ids=t.top_ids, top_logprobs=t.top_logprobs)
 
 
 def _us(seconds: float) -> int:

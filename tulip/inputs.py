@@ -139,6 +139,7 @@ class GenerateWork:
     ignore_eos: bool
     response_format: JsonFormat | None = None  # None: free text
     logprobs: int | None = None  # alternatives per token's logprobs; None: no logprobs
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens after the first
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids ascending
@@ -159,6 +160,7 @@ class GenerateWork:
             "ignore_eos": self.ignore_eos,
             "response_format": self.response_format,
             "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "logit_bias": self.logit_bias,
@@ -222,10 +224,10 @@ def generate_work(request: pb.GenerateRequest, limits: ModelLimits) -> GenerateW
                 f"(size {limits.vocab_size})"
             )
     logprobs = int(s.top_logprobs) if s.HasField("top_logprobs") else None
-    if logprobs is not None and logprobs > MAX_TOP_LOGPROBS:
-        raise InvalidInput(
-            f"sampling.top_logprobs: {logprobs} alternatives, at most {MAX_TOP_LOGPROBS}"
-        )
+    prompt_logprobs = int(s.prompt_logprobs) if s.HasField("prompt_logprobs") else None
+    for name, value in (("top_logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and value > MAX_TOP_LOGPROBS:
+            raise InvalidInput(f"sampling.{name}: {value} alternatives, at most {MAX_TOP_LOGPROBS}")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(s, name)
         if not -MAX_PENALTY <= value <= MAX_PENALTY:  # NaN fails too
@@ -262,6 +264,7 @@ def generate_work(request: pb.GenerateRequest, limits: ModelLimits) -> GenerateW
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in s.logit_bias.items())),
         response_format=_response_format(s),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         presence_penalty=float(s.presence_penalty),
         frequency_penalty=float(s.frequency_penalty),
         prompt_ids=ids.tolist(),
