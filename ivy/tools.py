@@ -4,10 +4,16 @@ The request's ``tools`` reach the model through its chat template (the ``tools``
 variable, as `transformers` and vLLM pass them); earlier calls and their answers travel in
 the messages (``tool_calls``, role ``tool``). What comes back is read by ``tool_choice``:
 
-- ``auto``: the model answers or calls. Calls are read in the Hermes format the template
-  writes (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``: Qwen2.5, Qwen3,
-  Hermes and the templates built on them), as vLLM's ``hermes`` parser reads them: the text
-  before the first call is the content, and an answer whose calls do not parse is content.
+- ``auto``: the model answers or calls. Calls are read in the format the template writes
+  (`CallFormat`, known by a marker in its source), as vLLM's parser of that name reads them;
+  an answer whose calls do not parse is content:
+  - ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` anywhere in the
+    answer (Qwen2.5, Qwen3, Hermes and the templates built on them); the text before the
+    first call is the content.
+  - ``llama3_json``: an answer that is one or more ``{"name": ..., "parameters": {...}}``
+    objects (``arguments`` also read), joined by ``;``, optionally after ``<|python_tag|>``
+    (Llama 3.1-3.3, whose templates give tool results the ``ipython`` role); a call is the
+    whole answer or nothing.
 - ``required``: the answer is held, token by token (`rose.grammar`), to a JSON list of
   ``{"name", "parameters"}`` over the tools (vLLM's schema), read as calls.
 - a named function: the answer is held to that function's parameter schema; it is the
@@ -15,7 +21,7 @@ the messages (``tool_calls``, role ``tool``). What comes back is read by ``tool_
 - ``none``: the tools are shown, the answer is content.
 
 Invariants: a plan exists only for a template that takes ``tools``; ``auto`` only for one
-that writes the Hermes format (otherwise a 400 says to use ``required`` or a named
+that writes a known format (otherwise a 400 says to use ``required`` or a named
 function); a held answer (required, named) is never also held to a ``response_format``.
 Streamed, content is sent as it comes except text that may start a call, and a call is
 sent when its text is complete (a named call's arguments as they come).
@@ -27,7 +33,7 @@ import json
 import re
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ivy.chat_template import ChatTemplate
@@ -42,10 +48,80 @@ from ivy.generation_schemas import (
 )
 from ivy.schemas import Tool
 
-__all__ = ["ToolPlan", "ToolStream", "parse_hermes", "plan_tools", "template_tools"]
+__all__ = [
+    "FORMATS",
+    "CallFormat",
+    "ToolPlan",
+    "ToolStream",
+    "parse_hermes",
+    "parse_llama3_json",
+    "plan_tools",
+    "template_tools",
+]
 
 _START = "<tool_call>"
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)$", re.DOTALL)
+_PYTHON_TAG = "<|python_tag|>"
+_LLAMA3_STARTS = ("{", _PYTHON_TAG)
+
+Calls = list[tuple[str, str]]  # (name, arguments JSON)
+
+
+class CallFormat:
+    """How a model writes tool calls in its answers: known by ``marker`` in its chat
+    template's source; `parse` reads a whole answer, `split` a stream's held text."""
+
+    name: str
+    marker: str
+
+    def parse(self, text: str) -> tuple[str | None, Calls] | None:
+        """(content, calls) of an answer with calls; None when it has none, or one does
+        not parse (then it is all content)."""
+        raise NotImplementedError
+
+    def split(self, held: str, began: bool) -> tuple[str, str, bool]:
+        """A streamed answer's text not yet sent → (content to send now, text to hold,
+        whether a call has started in the held text); ``began``: content other than
+        whitespace was sent already."""
+        raise NotImplementedError
+
+
+class _Hermes(CallFormat):
+    name = "hermes"
+    marker = _START
+
+    def parse(self, text: str) -> tuple[str | None, Calls] | None:
+        return parse_hermes(text)
+
+    def split(self, held: str, began: bool) -> tuple[str, str, bool]:
+        at = held.find(_START)
+        if at >= 0:
+            return held[:at], held[at:], True
+        keep = _partial_start(held)
+        return held[: len(held) - keep], held[len(held) - keep :], False
+
+
+class _Llama3Json(CallFormat):
+    name = "llama3_json"
+    # Llama 3.1-3.3's templates give tool results their own role, under this header
+    marker = "<|start_header_id|>ipython<|end_header_id|>"
+
+    def parse(self, text: str) -> tuple[str | None, Calls] | None:
+        return parse_llama3_json(text)
+
+    def split(self, held: str, began: bool) -> tuple[str, str, bool]:
+        if began:  # an answer that began as text is content to its end
+            return held, "", False
+        body = held.lstrip()
+        if body.startswith(_LLAMA3_STARTS):
+            return "", held, True
+        if not body or any(start.startswith(body) for start in _LLAMA3_STARTS):
+            return "", held, False  # whitespace, or what may begin <|python_tag|>
+        return held, "", False
+
+
+FORMATS: tuple[CallFormat, ...] = (_Hermes(), _Llama3Json())
+"""The call formats `auto` reads, in the order templates are matched against them."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +132,7 @@ class ToolPlan:
     tools: list[dict[str, Any]]  # as the chat template sees them
     name: str | None = None  # the named function
     parallel: bool = True  # false: at most one call
+    format: CallFormat = FORMATS[0]  # auto: how the model writes its calls
 
     def schema(self) -> dict[str, Any] | None:
         """The JSON Schema the answer is held to (None: free text)."""
@@ -88,13 +165,13 @@ class ToolPlan:
         if self.mode == "named":
             assert self.name is not None
             return None, [_call(self.name, text)], finish
-        calls: list[tuple[str, str]] | None = None
+        calls: Calls | None = None
         content: str | None = text
         if self.mode == "required":
             calls = _required_calls(text)
             content = None
         elif self.mode == "auto":
-            parsed = parse_hermes(text)
+            parsed = self.format.parse(text)
             if parsed is not None:
                 content, calls = parsed
         if not calls:
@@ -124,13 +201,17 @@ def plan_tools(req: ChatCompletionRequest, template: ChatTemplate) -> ToolPlan |
         plan = ToolPlan("named", tools, choice.function.name, parallel)
     else:
         plan = ToolPlan(choice or "auto", tools, None, parallel)
-    if plan.mode == "auto" and _START not in template.source:
-        raise ValidationError(
-            f"The model `{req.model}`'s chat template writes tool calls in a format Trellis "
-            "does not read (it reads Hermes' <tool_call>); send tool_choice `required` or "
-            "a named function, whose answers are held to the tools' schemas.",
-            param="tool_choice",
-        )
+    if plan.mode == "auto":
+        known = next((f for f in FORMATS if f.marker in template.source), None)
+        if known is None:
+            raise ValidationError(
+                f"The model `{req.model}`'s chat template writes tool calls in a format "
+                f"Trellis does not read (it reads {', '.join(f.name for f in FORMATS)}); "
+                "send tool_choice `required` or a named function, whose answers are held "
+                "to the tools' schemas.",
+                param="tool_choice",
+            )
+        plan = replace(plan, format=known)
     if plan.mode in ("named", "required") and req.response_format is not None:
         if req.response_format.type != "text":
             raise ValidationError(
@@ -169,7 +250,7 @@ def template_tools(
     return out
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
+def parse_hermes(text: str) -> tuple[str | None, Calls] | None:
     """(content, [(name, arguments JSON)]) of an answer with Hermes tool calls, None when
     it has none or one does not parse (then it is all content), as vLLM's hermes parser:
     the content is the text before the first call (None when empty), a last call may be
@@ -190,7 +271,38 @@ def parse_hermes(text: str) -> tuple[str | None, list[tuple[str, str]]] | None:
     return (content or None), calls
 
 
-def _required_calls(text: str) -> list[tuple[str, str]] | None:
+def parse_llama3_json(text: str) -> tuple[str | None, Calls] | None:
+    """(None, [(name, arguments JSON)]) of an answer that is Llama 3 JSON calls, None
+    otherwise (it is all content), as vLLM's ``llama3_json`` parser: after optional
+    whitespace and ``<|python_tag|>``, JSON objects with a ``name`` and ``parameters`` (or
+    ``arguments``), joined by ``;``, and nothing else; ``arguments`` are re-serialized
+    (``ensure_ascii=False``)."""
+    body = text.strip()
+    if body.startswith(_PYTHON_TAG):
+        body = body[len(_PYTHON_TAG) :].lstrip()
+    if not body.startswith("{"):
+        return None
+    decoder = json.JSONDecoder()
+    calls: Calls = []
+    at = 0
+    while True:
+        try:
+            call, at = decoder.raw_decode(body, at)
+        except ValueError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call["arguments"] if "arguments" in call else call.get("parameters", {})
+        calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+        rest = body[at:].lstrip()
+        if not rest:
+            return None, calls
+        if not rest.startswith(";"):
+            return None  # text after a call: the answer is content
+        at = len(body) - len(rest[1:].lstrip())
+
+
+def _required_calls(text: str) -> Calls | None:
     try:
         items = json.loads(text)
         return [(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
@@ -210,6 +322,7 @@ class ToolStream:
     plan: ToolPlan
     _held: str = ""  # auto: text that may start a call; required: the whole answer
     _calling: bool = False  # auto: a call has started (the rest is held)
+    _began: bool = False  # auto: content other than whitespace was sent
     _named: ToolCallOut | None = None  # named: the call, once its first piece is sent
 
     def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
@@ -230,16 +343,8 @@ class ToolStream:
         self._held += text
         if mode == "required" or self._calling:
             return "", []
-        at = self._held.find(_START)
-        if at >= 0:
-            self._calling = True
-            content, self._held = self._held[:at], self._held[at:]
-            return content, []
-        keep = _partial_start(self._held)
-        content, self._held = (
-            self._held[: len(self._held) - keep],
-            self._held[len(self._held) - keep :],
-        )
+        content, self._held, self._calling = self.plan.format.split(self._held, self._began)
+        self._began = self._began or bool(content.strip())
         return content, []
 
     def finish(self, reason: str) -> tuple[str, list[ToolCallDelta], str]:

@@ -1,6 +1,7 @@
-"""Reading tool calls out of an answer (`ivy.tools`): the Hermes format as vLLM's hermes
-parser reads it, `required`'s JSON list, a named call's arguments, and the streamed
-reader, which sends content at once except text that may start a call."""
+"""Reading tool calls out of an answer (`ivy.tools`): the Hermes and Llama 3 JSON formats
+as vLLM's hermes and llama3_json parsers read them, `required`'s JSON list, a named call's
+arguments, and the streamed reader, which sends content at once except text that may
+start a call."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from ivy.tools import ToolPlan, ToolStream, parse_hermes
+from ivy.tools import FORMATS, ToolPlan, ToolStream, parse_hermes, parse_llama3_json
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
@@ -33,6 +34,57 @@ def test_hermes_calls_and_the_content_before_them() -> None:
     # a call that does not parse makes the whole answer content
     assert parse_hermes('<tool_call>{"name": "get_time", "arguments": {</tool_call>') is None
     assert parse_hermes('<tool_call>["get_time"]</tool_call>') is None
+
+
+LLAMA3 = next(f for f in FORMATS if f.name == "llama3_json")
+WEATHER = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+
+
+def test_llama3_json_calls_are_the_whole_answer() -> None:
+    oslo = [("get_weather", '{"city": "Oslo"}')]
+    assert parse_llama3_json(WEATHER) == (None, oslo)
+    assert parse_llama3_json("\n " + WEATHER + "\n") == (None, oslo)
+    assert parse_llama3_json("<|python_tag|>" + WEATHER) == (None, oslo)
+    # "arguments" as vLLM also reads it; several calls joined by ";"
+    two = WEATHER + '; {"name": "get_time", "arguments": {"zone": "Ø"}}'
+    assert parse_llama3_json(two) == (None, [*oslo, ("get_time", '{"zone": "Ø"}')])
+    assert parse_llama3_json('{"name": "get_time"}') == (None, [("get_time", "{}")])
+    # anything else is content: text, text before or after a call, broken or nameless JSON
+    for answer in (
+        "It is sunny in Oslo.",
+        "Sure: " + WEATHER,
+        WEATHER + " Done.",
+        WEATHER + ";",
+        '{"name": "get_weather", "parameters": {',
+        '{"city": "Oslo"}',
+        '["get_weather"]',
+        "",
+    ):
+        assert parse_llama3_json(answer) is None, answer
+
+
+def test_llama3_json_plan_reads_answers_and_streams() -> None:
+    auto = ToolPlan("auto", TOOLS, format=LLAMA3)
+    content, calls, finish = auto.read(WEATHER, "stop")
+    assert (content, finish) == (None, "tool_calls")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    assert auto.read("Hermes' <tool_call> is text here.", "stop")[1] == []
+    for cut in (1, 4, 9):  # a call: nothing goes out as content, the call at the end
+        answer = " \n" + WEATHER
+        pieces = [answer[i : i + cut] for i in range(0, len(answer), cut)]
+        sent, deltas, finish = _stream(auto, pieces)
+        assert "".join(sent) == "" and finish == "tool_calls"
+        assert [(d.function.name, json.loads(d.function.arguments)) for d in deltas] == [
+            ("get_weather", {"city": "Oslo"})
+        ]
+    # an answer that begins as text streams as it comes, braces later on included
+    sent, deltas, finish = _stream(auto, [" The", " JSON is ", WEATHER], "stop")
+    assert (sent[:3], deltas, finish) == ([" The", " JSON is ", WEATHER], [], "stop")
+    # held text that only looked like a call's start goes out at the end as content
+    sent, deltas, finish = _stream(auto, ["  ", "<|pyth"], "length")
+    assert ("".join(sent), deltas, sent[:2]) == ("  <|pyth", [], ["", ""])
 
 
 def test_plans_read_answers() -> None:

@@ -1,0 +1,291 @@
+"""Llama 3 tool calling end to end: a real Tulip process behind one real Ivy.
+
+A tiny random ``LlamaForCausalLM`` saved with `transformers`, a byte-level BPE
+``tokenizer.json`` built here with HF `tokenizers`, and a chat template written here in
+the Llama 3.1-3.3 style: tools listed in a system turn, an assistant's call written as
+``{"name": ..., "parameters": {...}}``, a tool's answer under the ``ipython`` header (what
+`ivy.tools` knows the format by). ``tool_choice: auto`` reads such an answer as a call
+(vLLM's ``llama3_json`` parser): the answer is held to a call's shape here by a
+``response_format`` (a tiny random model writes no call of its own), whole and streamed,
+and a conversation with an earlier call and its answer reaches the model as
+`transformers`' template renders it, its greedy answer content.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import transformers
+from ivy_process import ivy_over
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from tulip.process import TulipProcess
+
+SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+]
+TEMPLATE = """
+{{- bos_token }}
+{%- if tools %}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython\\n' }}
+{{- 'To use a function, answer with {"name": ..., "parameters": ...} alone. Functions:\\n' }}
+{%- for tool in tools %}{{- tool | tojson }}{{- '\\n' }}{%- endfor %}
+{{- '<|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'tool' %}
+{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}
+{%- elif message.tool_calls %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- for call in message.tool_calls %}
+{{- '{"name": "' + call.function.name + '", "parameters": ' + (call.function.arguments | tojson) + '}' }}
+{%- endfor %}
+{{- '<|eot_id|>' }}
+{%- else %}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
+"""
+CORPUS = [
+    "What is the weather in Oslo? It is sunny and cold.",
+    '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '{"type": "function", "function": {"name": "get_weather", "description": "Weather."}}',
+    "Environment: ipython. To use a function, answer with JSON alone.",
+]
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 6}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+ASK = [{"role": "user", "content": "What is the weather in Oslo?"}]
+ANSWERED = [
+    *ASK,
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, -3 C."},
+]
+# a call's shape for get_weather: what the answer is held to
+CALL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "enum": ["get_weather"]},
+        "parameters": TOOLS[0]["function"]["parameters"],
+    },
+    "required": ["name", "parameters"],
+    "additionalProperties": False,
+}
+MAX_TOKENS = 96
+
+
+def _tokenizer(path: Path) -> int:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": TEMPLATE,
+        "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|eot_id|>",
+        "model_max_length": 2048,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return tok.get_vocab_size()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("llama3-tools")
+    vocab = _tokenizer(path)
+    torch.manual_seed(3)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=SPECIALS.index("<|begin_of_text|>"),
+        eos_token_id=SPECIALS.index("<|eot_id|>"),
+    )
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # larger than HF's init: attention far from uniform
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> tuple[Any, Any]:
+    """(transformers tokenizer, model) on the same directory."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    return tokenizer, transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def base(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("llama3-tools-logs")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    args = ["--model", str(model_dir), "--device", "cpu", "--threads", "1"]
+    tulip = TulipProcess([*args, "--model-name", "llama3"], log_path=logs / "tulip.log", env=env)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(tulip)
+        tulip.wait_serving()
+        yield stack.enter_context(
+            ivy_over({"llama3": (model_dir, tulip.target)}, logs / "ivy.log", env)
+        )
+
+
+def _body(messages: list[dict[str, Any]], **extra: object) -> dict[str, object]:
+    return {
+        "model": "llama3",
+        "messages": messages,
+        "tools": TOOLS,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def _held_to_a_call() -> dict[str, object]:
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "call", "schema": CALL_SCHEMA, "strict": True},
+    }
+
+
+def _hf_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as vLLM hands it to a template: call arguments parsed to objects."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+def test_auto_reads_a_llama3_json_answer_as_a_call(base: str) -> None:
+    """An answer that is a call (held to the shape by response_format) comes back as
+    tool_calls with no content and finish_reason tool_calls; its arguments validate."""
+    import jsonschema
+
+    with httpx.Client(base_url=base, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json=_body(ASK, response_format=_held_to_a_call()))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather"
+    jsonschema.validate(
+        json.loads(call["function"]["arguments"]), CALL_SCHEMA["properties"]["parameters"]
+    )  # type: ignore[index]
+
+
+def test_streamed_auto_sends_the_call_and_no_content(base: str) -> None:
+    body = _body(ASK, response_format=_held_to_a_call(), stream=True)
+    with httpx.Client(base_url=base, timeout=120) as http:
+        whole = http.post("/v1/chat/completions", json={**body, "stream": False}).json()
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    choices = [c for e in events[:-1] for c in json.loads(e)["choices"]]
+    assert all(not c["delta"].get("content") for c in choices)
+    deltas = [d for c in choices for d in c["delta"].get("tool_calls") or []]
+    assert [d["function"]["name"] for d in deltas if d["function"].get("name")] == ["get_weather"]
+    arguments = "".join(d["function"].get("arguments") or "" for d in deltas)
+    [want] = whole["choices"][0]["message"]["tool_calls"]
+    assert json.loads(arguments) == json.loads(want["function"]["arguments"])
+    assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_an_answered_call_reaches_the_model_as_transformers_renders_it(
+    base: str, reference: tuple[Any, Any]
+) -> None:
+    """The tools, the earlier call and the tool's answer (under the ipython header) give
+    the prompt transformers' template gives; the free answer after them is transformers'
+    greedy text, read as content (it is no call)."""
+    tokenizer, model = reference
+    ids = tokenizer.apply_chat_template(
+        _hf_messages(ANSWERED), tools=TOOLS, add_generation_prompt=True, tokenize=True
+    )
+    ids = list(ids["input_ids"] if "input_ids" in ids else ids)
+    assert tokenizer.convert_tokens_to_ids("<|end_header_id|>") in ids
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=24,
+            pad_token_id=model.config.eos_token_id,
+        )
+    new = out[0, len(ids) :].tolist()
+    eos = model.config.eos_token_id
+    text = tokenizer.decode(new[: new.index(eos)] if eos in new else new, skip_special_tokens=True)
+    assert not text.lstrip().startswith("{")  # the reference answer is no call
+    with httpx.Client(base_url=base, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json={**_body(ANSWERED), "max_tokens": 24})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    message = body["choices"][0]["message"]
+    assert message["content"] == text and message.get("tool_calls") is None
