@@ -1,4 +1,5 @@
-"""rose.models.llama against transformers on small random Llama / Qwen2 configs (fp32)."""
+"""rose.models.llama against transformers on small random Llama / Mistral / Qwen2 configs
+(fp32)."""
 
 from __future__ import annotations
 
@@ -66,18 +67,17 @@ CONFIGS = {
         )
     ),
     "qwen2-bias": lambda: transformers.Qwen2Config(**_tiny_kwargs(num_key_value_heads=1)),
+    # head_dim 24 != hidden_size / heads (16), no sliding window (Mistral v0.2 on)
+    "mistral": lambda: transformers.MistralConfig(**_tiny_kwargs(head_dim=24, sliding_window=None)),
+    # Mistral 7B v0.1's window: served with that context (40 tokens here fit it)
+    "mistral-window": lambda: transformers.MistralConfig(**_tiny_kwargs(sliding_window=48)),
 }
 
 
 def _pair(name: str, tmp_path: Path) -> tuple[torch.nn.Module, LlamaForCausalLM]:
     torch.manual_seed(0)
     cfg = CONFIGS[name]()
-    cls = (
-        transformers.Qwen2ForCausalLM
-        if isinstance(cfg, transformers.Qwen2Config)
-        else transformers.LlamaForCausalLM
-    )
-    ref = cls(cfg).eval()
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     if isinstance(cfg, transformers.Qwen2Config):
         # random init leaves biases at zero; make them matter
         with torch.no_grad():
@@ -158,7 +158,7 @@ def test_batched_mixed_lengths_equal_single(name: str, tmp_path: Path) -> None:
     torch.testing.assert_close(batched, torch.cat(singles), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama3-rope-scaling"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama3-rope-scaling", "mistral"])
 def test_decode_steps_equal_full_forward(name: str, tmp_path: Path) -> None:
     """Prefill part of each sequence, then feed the rest in chunks of 1..3 tokens with
     several sequences in flight (continuous batching); logits equal transformers' full pass."""
@@ -188,6 +188,27 @@ def test_decode_steps_equal_full_forward(name: str, tmp_path: Path) -> None:
         step += 1
     for g_, w in zip(got, want, strict=True):
         torch.testing.assert_close(torch.cat(g_), w, atol=TOL, rtol=0)
+
+
+def test_mistral_sliding_window_is_served_as_that_context(tmp_path: Path) -> None:
+    """A Mistral window shorter than the context becomes the served context: up to the
+    window transformers' sliding attention is full causal attention (the logits agree
+    there), past it they part (so longer inputs must not be served)."""
+    ref, ours = _pair("mistral-window", tmp_path)
+    assert ours.config.max_position_embeddings == 48
+    ids = torch.randint(0, 97, (64,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = ref(ids[None]).logits[0]
+    cache = ours.new_cache(PAGES, PAGE)
+    got = _run(ours, [ids.tolist()], [BlockTable(PageAllocator(PAGES), PAGE)], cache, [0])
+    torch.testing.assert_close(got[:48], want[:48], atol=TOL, rtol=0)
+    assert (got[48:] - want[48:]).abs().max() > 10 * TOL
+    for window, context in ((None, 256), (256, 256), (4096, 256), (100, 100)):
+        d = transformers.MistralConfig(**_tiny_kwargs(sliding_window=window)).to_dict()
+        assert LlamaConfig.from_dict(d).max_position_embeddings == context, window
+    # another family's sliding_window key is not Mistral's
+    d = transformers.LlamaConfig(**_tiny_kwargs()).to_dict()
+    assert LlamaConfig.from_dict({**d, "sliding_window": 8}).max_position_embeddings == 256
 
 
 def test_rope_table_looks_up_what_rope_cos_sin_computes() -> None:

@@ -62,6 +62,7 @@ __all__ = [
 
 CAUSAL_LM_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, SmolLM2, Qwen2's q/k/v bias, Qwen3's q/k norm) on a paged
-KV cache.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2's q/k/v bias, Qwen3's q/k norm) on a
+paged KV cache.
 
 Plain PyTorch in the gpt-fast manner: a frozen config built from config.json, small
 modules, shape comments, and weights loaded through an explicit name map whose key set
@@ -48,7 +48,7 @@ __all__ = [
     "weight_name_map",
 ]
 
-_SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 log = logging.getLogger("rose.models.llama")
 
@@ -128,6 +128,14 @@ class LlamaConfig:
                 f"config.layer_types {sorted(set(layer_types))} unsupported (only 'full_attention')"
             )
         heads = int(d["num_attention_heads"])
+        context = int(d.get("max_position_embeddings", 2048))
+        window = d.get("sliding_window") if model_type == "mistral" else None
+        if window is not None and int(window) < context:
+            # Mistral 7B v0.1: each token sees the last `window` tokens. Within that many
+            # tokens sliding attention is full causal attention, so the model is served
+            # with that context, exactly (later Mistrals set no window).
+            log.info("config.sliding_window %d: the context is cut to it", int(window))
+            context = int(window)
         # transformers >= 5 nests rope settings in rope_parameters; older files keep
         # rope_theta at top level and scaling in rope_scaling.
         rope = dict(d.get("rope_parameters") or {})
@@ -166,7 +174,7 @@ class LlamaConfig:
             o_bias=False if is_qwen2 else attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             qk_norm=is_qwen3,
-            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            max_position_embeddings=context,
             model_type=model_type,
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),

@@ -1,0 +1,180 @@
+"""A Mistral decoder chats end to end: a real Tulip process behind one real Ivy.
+
+A tiny random ``MistralForCausalLM`` (explicit head_dim, a sliding window shorter than its
+positions, as Mistral 7B v0.1 has), saved with `transformers`, with a byte-level BPE
+``tokenizer.json`` built here and an ``[INST]`` chat template written here. Tulip serves it
+as a generator whose context is the window (where sliding attention is full attention);
+chat completions, whole and streamed, equal `transformers`' greedy ``generate`` on the ids
+its template gives, and a prompt past the window is refused as over the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import transformers
+from ivy_process import ivy_over
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from tulip.process import TulipProcess
+
+SPECIALS = ["<unk>", "<s>", "</s>"]
+TEMPLATE = (
+    "{{- bos_token }}{%- for m in messages %}{%- if m.role == 'user' %}"
+    "{{- '[INST] ' + m.content + ' [/INST]' }}{%- else %}{{- m.content + eos_token }}"
+    "{%- endif %}{%- endfor %}"
+)
+CORPUS = [
+    "[INST] What is the capital of France? [/INST] Paris is the capital of France.",
+    "The quick brown fox jumps over the lazy dog.",
+    "def add(a, b): return a + b",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "user", "content": "def add(a, b):"},
+        {"role": "assistant", "content": "return a + b"},
+        {"role": "user", "content": "The quick brown fox?"},
+    ],
+]
+WINDOW = 96
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("mistral")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": TEMPLATE,
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "model_max_length": 512,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    torch.manual_seed(11)
+    config = transformers.MistralConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=512,
+        sliding_window=WINDOW,
+        bos_token_id=SPECIALS.index("<s>"),
+        eos_token_id=SPECIALS.index("</s>"),
+    )
+    model = transformers.MistralForCausalLM(config)
+    with torch.no_grad():  # larger than HF's init: attention far from uniform
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def want(model_dir: Path) -> list[tuple[list[int], str, str]]:
+    """(prompt ids, greedy text, finish reason) per chat, by transformers."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    eos = model.config.eos_token_id
+    out = []
+    for chat in CHATS:
+        ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+        ids = list(ids["input_ids"] if "input_ids" in ids else ids)
+        assert len(ids) + MAX_TOKENS <= WINDOW  # within the window: full attention
+        with torch.no_grad():
+            generated = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
+                pad_token_id=eos,
+            )[0, len(ids) :].tolist()
+        finish = "length"
+        if eos in generated:
+            generated, finish = generated[: generated.index(eos)], "stop"
+        out.append((ids, tokenizer.decode(generated, skip_special_tokens=True), finish))
+    assert all(text.strip() for _, text, _ in out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("mistral-logs")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    args = ["--model", str(model_dir), "--device", "cpu", "--threads", "1"]
+    tulip = TulipProcess([*args, "--model-name", "mistral"], log_path=logs / "tulip.log", env=env)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(tulip)
+        tulip.wait_serving()
+        served = {"mistral": (model_dir, tulip.target)}
+        yield stack.enter_context(ivy_over(served, logs / "ivy.log", env))
+
+
+def _body(chat: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "mistral",
+        "messages": chat,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        **extra,
+    }
+
+
+def test_chat_equals_transformers_greedy(base: str, want: list[tuple[list[int], str, str]]) -> None:
+    with httpx.Client(base_url=base, timeout=120) as http:
+        for chat, (ids, text, finish) in zip(CHATS, want, strict=True):
+            r = http.post("/v1/chat/completions", json=_body(chat))
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert body["choices"][0]["message"]["content"] == text
+            assert body["choices"][0]["finish_reason"] == finish
+            assert body["usage"]["prompt_tokens"] == len(ids)
+            with http.stream("POST", "/v1/chat/completions", json=_body(chat, stream=True)) as s:
+                events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+            chunks = [json.loads(e) for e in events[:-1]]
+            deltas = [c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]]
+            assert "".join(deltas) == text
+
+
+def test_the_window_is_the_served_context(base: str) -> None:
+    """The tokenizer route reports the window as the model's length, and a prompt that
+    with its answer would pass the window is a 400 naming the context."""
+    with httpx.Client(base_url=base, timeout=120) as http:
+        info = http.post("/tokenize", json={"model": "mistral", "prompt": "Paris"}).json()
+        assert info["max_model_len"] == WINDOW
+        r = http.post(
+            "/v1/completions",
+            json={"model": "mistral", "prompt": [5] * (WINDOW - 4), "max_tokens": 8},
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["code"] == "context_length_exceeded"
+        fits = {"model": "mistral", "prompt": [5] * (WINDOW - 8), "max_tokens": 8}
+        assert http.post("/v1/completions", json=fits).status_code == 200
