@@ -145,6 +145,7 @@ class Prepared:
     n: int = 1  # choices per prompt
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
     echo: list[str] | None = None  # completions' echo: each prompt's text
+    echo_only: bool = False  # echo with max_tokens 0: the prompts alone, nothing generated
     tools: ToolPlan | None = None  # how a chat answer's tool calls are read
 
 
@@ -397,13 +398,20 @@ class GenerationService:
                     f"Token id {top} is outside the vocabulary (size {vocab}).", param="prompt"
                 )
         max_tokens = req.max_tokens if req.max_tokens is not None else _COMPLETIONS_MAX_TOKENS
-        prepared = self._prepared(req, model, prompts, max_tokens, "prompt", "max_tokens", started)
+        if max_tokens == 0 and not req.echo:
+            raise ValidationError(
+                "max_tokens must be at least 1 (0 only with echo: the prompt alone).",
+                param="max_tokens",
+            )
+        # echo alone: the replica generates one token (what a pass yields), never shown
+        budget = max_tokens or 1
+        prepared = self._prepared(req, model, prompts, budget, "prompt", "max_tokens", started)
         if req.echo:  # each prompt's text before its answers: as sent, or its ids decoded
             if isinstance(prompt, str) or isinstance(prompt[0], str):
                 echo = [prompt] if isinstance(prompt, str) else list(prompt)  # type: ignore[list-item]
             else:
                 echo = model.decode([p.tolist() for p in prompts], False, param="prompt")
-            prepared = replace(prepared, echo=echo)  # type: ignore[arg-type]
+            prepared = replace(prepared, echo=echo, echo_only=max_tokens == 0)  # type: ignore[arg-type]
             if req.logprobs is not None:  # the prompt's tokens get theirs too
                 prepared.sampling.prompt_logprobs = req.logprobs
         return await self._with_logprobs(prepared, model, req.logprobs)

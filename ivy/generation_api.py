@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import replace
 
 from ivy import sse
 from ivy.errors import IvyError
@@ -187,6 +188,17 @@ async def _completion_events(
             yield sse.event(
                 kind(rid, created, model, [choice], **_usage_field(with_usage, running))
             )
+        if prepared.echo_only:  # the prompts alone: each choice ends after its echo
+            outcomes = [_prompt_only(o) for o in await collect(generations)]
+            usage = _usage(outcomes, prepared.n)
+            so_far = _usage_field(with_usage, lambda: usage if prepared.continuous_usage else None)
+            for index in range(len(generations)):
+                choice = CompletionChoice(index, "", "length")
+                yield sse.event(kind(rid, created, model, [choice], **so_far))
+            if with_usage:
+                yield sse.event(CompletionChunkWithUsage(rid, created, model, [], usage=usage))
+            yield sse.DONE
+            return
         async for index, message in merge(generations):
             finish = finish_reason(message)  # this message's own, not the generation's
             if message.text or finish is not None or (builders and message.token_ids):
@@ -245,6 +257,14 @@ def _completion_logprobs(
     return out
 
 
+def _prompt_only(outcome: Outcome) -> Outcome:
+    """An echo-only choice's outcome (max_tokens 0): the token the replica generated (a
+    pass always yields one) is neither shown nor counted."""
+    return replace(
+        outcome, text="", finish_reason="length", completion_tokens=0, token_ids=[], logprobs=[]
+    )
+
+
 def _closer(generations: Sequence[Generation]) -> Callable[[], None]:
     def close() -> None:
         for g in generations:
@@ -286,6 +306,8 @@ def generation_routes(service: GenerationService) -> list[Route]:
             events = _completion_events(prepared, generations, rid, created, req.model)
             return sse.Stream(events, headers, _closer(generations))
         outcomes = await collect(generations)
+        if prepared.echo_only:
+            outcomes = [_prompt_only(o) for o in outcomes]
         echoes = _echoes(prepared, len(outcomes)) or [""] * len(outcomes)
         choices = [
             CompletionChoice(i, e + o.text, o.finish_reason, _completion_logprobs(prepared, i, o))  # type: ignore[arg-type]

@@ -272,6 +272,11 @@ class CompletionRequest(_Sampling):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1)]
     ) = Field(description="Text, texts, token ids or lists of token ids.")
+    max_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = Field(
+        default=None,
+        description="Default 16. 0 only with `echo`: the prompt alone, nothing generated "
+        "(its logprobs with `logprobs`), as in OpenAI's legacy API and vLLM.",
+    )
     echo: bool | None = Field(
         default=False,
         description="Each choice's text starts with its prompt; with `logprobs`, so do its "

@@ -1035,6 +1035,44 @@ def test_completions_echo_with_logprobs_scores_the_prompt(
         assert len(c.logprobs.tokens) == len(prompt) + 2
 
 
+def test_completions_echo_with_max_tokens_0_is_the_prompt_alone(
+    base: str, name: str, oracle: Oracle, reference: Callable[[list[int], list[int]], Any]
+) -> None:
+    """OpenAI's legacy scoring call (HELM's, older lm-evaluation-harness'): echo with
+    max_tokens 0 answers the prompt alone, its logprobs with `logprobs`, nothing generated
+    or counted, whole and streamed; without echo, max_tokens 0 stays a 400."""
+    ids = oracle.tokenizer("The capital of France is Paris.")["input_ids"]
+    want = reference(ids[:1], ids[1:])
+    args = {"model": name, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 2}
+    with httpx.Client(timeout=120) as http:
+        body = http.post(f"{base}/v1/completions", json=args).json()
+        [choice] = body["choices"]
+        assert choice["text"] == oracle.tokenizer.decode(ids)
+        assert choice["finish_reason"] == "length"
+        assert body["usage"] == {
+            "prompt_tokens": len(ids),
+            "completion_tokens": 0,
+            "total_tokens": len(ids),
+        }
+        lp = choice["logprobs"]
+        assert lp["tokens"] == [oracle.token_text(i) for i in ids]
+        assert lp["token_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(
+            [want[t, i].item() for t, i in enumerate(ids[1:])], abs=LOGPROB_TOL
+        )
+        stream = {**args, "stream": True, "stream_options": {"include_usage": True}}
+        events = [
+            json.loads(e) for e in sse_events(http.post(f"{base}/v1/completions", json=stream))[:-1]
+        ]
+        refused = http.post(f"{base}/v1/completions", json={**args, "echo": False})
+    choices = [c for e in events for c in e["choices"]]
+    assert "".join(c["text"] for c in choices) == choice["text"]
+    assert [t for c in choices for t in (c["logprobs"] or {}).get("tokens", [])] == lp["tokens"]
+    assert choices[-1]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 0
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 def test_logprobs_follow_the_chosen_tokens_when_sampling(
     base: str, name: str, oracle: Oracle, reference: Callable[[list[int], list[int]], Any]
 ) -> None:
