@@ -22,10 +22,10 @@ from typing import Any
 
 import httpx
 import pytest
+import tiny_configs
 import torch
 import transformers
 from ivy_process import ivy_over
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from tulip.process import TulipProcess
 
@@ -110,54 +110,26 @@ CALL_SCHEMA = {
 MAX_TOKENS = 96
 
 
-def _tokenizer(path: Path) -> int:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": TEMPLATE,
-        "bos_token": "<|begin_of_text|>",
-        "eos_token": "<|eot_id|>",
-        "model_max_length": 2048,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return tok.get_vocab_size()
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("llama3-tools")
-    vocab = _tokenizer(path)
+    vocab = tiny_configs.byte_bpe(
+        path,
+        CORPUS,
+        SPECIALS,
+        400,
+        chat_template=TEMPLATE,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        model_max_length=2048,
+    )
     torch.manual_seed(3)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
+    model = tiny_configs.chat_decoder(
+        transformers.LlamaConfig,
+        vocab,
         bos_token_id=SPECIALS.index("<|begin_of_text|>"),
         eos_token_id=SPECIALS.index("<|eot_id|>"),
     )
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # larger than HF's init: attention far from uniform
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-            elif "norm" in name:
-                p.normal_(1.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -199,26 +171,6 @@ def _held_to_a_call() -> dict[str, object]:
         "type": "json_schema",
         "json_schema": {"name": "call", "schema": CALL_SCHEMA, "strict": True},
     }
-
-
-def _hf_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation as vLLM hands it to a template: call arguments parsed to objects."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("tool_calls"):
-            m["tool_calls"] = [
-                {
-                    **c,
-                    "function": {
-                        **c["function"],
-                        "arguments": json.loads(c["function"]["arguments"]),
-                    },
-                }
-                for c in m["tool_calls"]
-            ]
-        out.append(m)
-    return out
 
 
 def test_auto_reads_a_llama3_json_answer_as_a_call(base: str) -> None:
@@ -266,7 +218,10 @@ def test_an_answered_call_reaches_the_model_as_transformers_renders_it(
     greedy text, read as content (it is no call)."""
     tokenizer, model = reference
     ids = tokenizer.apply_chat_template(
-        _hf_messages(ANSWERED), tools=TOOLS, add_generation_prompt=True, tokenize=True
+        tiny_configs.template_messages(ANSWERED),
+        tools=TOOLS,
+        add_generation_prompt=True,
+        tokenize=True,
     )
     ids = list(ids["input_ids"] if "input_ids" in ids else ids)
     assert tokenizer.convert_tokens_to_ids("<|end_header_id|>") in ids

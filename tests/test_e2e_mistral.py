@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 import pytest
+import tiny_configs
 import torch
 import transformers
 from ivy_process import ivy_over
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from tulip.process import TulipProcess
 
@@ -52,48 +52,27 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("mistral")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+    vocab = tiny_configs.byte_bpe(
+        path,
+        CORPUS,
+        SPECIALS,
+        300,
+        chat_template=TEMPLATE,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=512,
     )
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": TEMPLATE,
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "model_max_length": 512,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     torch.manual_seed(11)
-    config = transformers.MistralConfig(
-        vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    model = tiny_configs.chat_decoder(
+        transformers.MistralConfig,
+        vocab,
         head_dim=24,
         max_position_embeddings=512,
         sliding_window=WINDOW,
         bos_token_id=SPECIALS.index("<s>"),
         eos_token_id=SPECIALS.index("</s>"),
     )
-    model = transformers.MistralForCausalLM(config)
-    with torch.no_grad():  # larger than HF's init: attention far from uniform
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-            elif "norm" in name:
-                p.normal_(1.0, 0.2)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

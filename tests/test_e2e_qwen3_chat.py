@@ -20,10 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import tiny_configs
 import torch
 import transformers
 from ivy_process import ivy_over
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from protos.trellis.v1 import inference_pb2 as pb
 from tulip.client import TulipClient
@@ -81,62 +81,34 @@ MAX_TOKENS = 24
 NAMES = ("qwen3", "qwen3-ngram")
 
 
-def _tokenizer(path: Path) -> int:
-    """A byte-level BPE tokenizer.json and a ChatML tokenizer_config.json; returns the
-    vocabulary size."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 20, trainer)
-    tok.save(str(path / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHATML,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "bos_token": None,
-        "model_max_length": 2048,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return tok.get_vocab_size()
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("qwen3-chat")
-    vocab = _tokenizer(path)
+    vocab = tiny_configs.byte_bpe(
+        path,
+        CORPUS,
+        SPECIALS,
+        400,
+        chat_template=CHATML,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        model_max_length=2048,
+    )
     torch.manual_seed(7)
-    config = transformers.Qwen3Config(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    model = tiny_configs.chat_decoder(
+        transformers.Qwen3Config,
+        vocab,
         head_dim=32,
-        max_position_embeddings=2048,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=SPECIALS.index("<|im_end|>"),
         pad_token_id=SPECIALS.index("<|endoftext|>"),
     )
-    model = transformers.Qwen3ForCausalLM(config)
-    with torch.no_grad():  # larger than HF's init: attention far from uniform
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.3)
-            elif "norm" in name:
-                p.normal_(1.0, 0.2)
+    with torch.no_grad():
         # a likelier EOS (tied head: its logit grows with its embedding's length): two of
         # CHATS' answers stop on it, one runs into max_tokens
-        model.model.embed_tokens.weight[config.eos_token_id] *= 1.5
+        model.model.embed_tokens.weight[model.config.eos_token_id] *= 1.5
     model.save_pretrained(path, safe_serialization=True)
     assert not (path / "modules.json").exists()
     return path
@@ -393,26 +365,6 @@ ANSWERED = [
 ]
 
 
-def _hf_messages(messages: list[dict]) -> list[dict]:
-    """The messages as transformers' templates take them (arguments as objects)."""
-    out = []
-    for m in messages:
-        m = dict(m)
-        if m.get("tool_calls"):
-            m["tool_calls"] = [
-                {
-                    **c,
-                    "function": {
-                        **c["function"],
-                        "arguments": json.loads(c["function"]["arguments"]),
-                    },
-                }
-                for c in m["tool_calls"]
-            ]
-        out.append(m)
-    return out
-
-
 def _validate(call: dict) -> None:
     import jsonschema
 
@@ -431,7 +383,7 @@ def test_tools_reach_the_model_through_its_template(
     base, _ = cluster
     with httpx.Client(base_url=base, timeout=120) as http:
         for messages in (ASK, ANSWERED):
-            ids = oracle.chat_ids(_hf_messages(messages), tools=TOOLS)
+            ids = oracle.chat_ids(tiny_configs.template_messages(messages), tools=TOOLS)
             assert len(ids) > len(oracle.chat_ids(ASK)) + 20  # the tools are in it
             _, text, finish = oracle.greedy(ids)
             r = http.post("/v1/chat/completions", json=_body("qwen3", messages, tools=TOOLS))

@@ -1,8 +1,12 @@
 """Small random configs shared by the tests that hold ROSE to `transformers` (fp32 parity,
-CPU precision modes, generation). Wide enough weights that outputs differ per token."""
+CPU precision modes, generation). Wide enough weights that outputs differ per token. Also
+what the end-to-end chat tests build their tiny decoders from: a byte-level BPE tokenizer
+trained here (`byte_bpe`), spread weights (`spread_decoder`), and conversations as a chat
+template takes them (`template_messages`)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +120,78 @@ def fail_draws_of_seed(monkeypatch: Any, seed: int = DOOMED_SEED) -> None:  # no
         return real(proposal, logits, argmax, params, generator)
 
     monkeypatch.setattr(generate, "accept", draw)
+
+
+def byte_bpe(
+    path: Path, corpus: list[str], specials: list[str], vocab_size: int, **config: object
+) -> int:
+    """A byte-level BPE ``tokenizer.json`` trained on ``corpus`` (the ``specials`` first:
+    each one's id is its index) and a ``tokenizer_config.json`` of ``config`` (a
+    ``PreTrainedTokenizerFast``) in ``path``; returns the vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **config}
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return tok.get_vocab_size()
+
+
+def chat_decoder(config: type[transformers.PretrainedConfig], vocab: int, **over: object) -> Any:  # noqa: ANN401
+    """A `transformers` causal LM of ``config``'s family at the end-to-end chat tests'
+    size (2 layers, 64 wide, 4 heads over 2 K/V heads), ``over`` on top, its weights
+    spread (`spread_decoder`)."""
+    kw: dict[str, object] = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config(**{**kw, **over}))
+    spread_decoder(model)
+    return model
+
+
+def spread_decoder(model: torch.nn.Module) -> None:
+    """Larger random weights than HF's init (attention far from uniform) and norms away
+    from 1, so a tiny decoder's greedy answers differ per prompt."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3)
+            elif "norm" in name:
+                p.normal_(1.0, 0.2)
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A conversation as vLLM hands it to a chat template (and so does Ivy): each tool
+    call's ``arguments`` parsed to an object."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
