@@ -1,5 +1,5 @@
-"""rose.models.llama against transformers on small random Llama / Mistral / Qwen2 configs
-(fp32)."""
+"""rose.models.llama against transformers on small random Llama / Mistral / Phi-3 / Qwen2
+configs (fp32)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def _save(model: torch.nn.Module, path: Path) -> Path:
     return path
 
 
+_PHI3: dict[str, object] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 CONFIGS = {
     "llama-gqa": lambda: transformers.LlamaConfig(**_tiny_kwargs()),
     "llama-tied-mha-bias": lambda: transformers.LlamaConfig(
@@ -71,6 +72,20 @@ CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(**_tiny_kwargs(head_dim=24, sliding_window=None)),
     # Mistral 7B v0.1's window: served with that context (40 tokens here fit it)
     "mistral-window": lambda: transformers.MistralConfig(**_tiny_kwargs(sliding_window=48)),
+    # Phi-3: fused qkv and gate/up projections in the checkpoint
+    "phi3": lambda: transformers.Phi3Config(**_tiny_kwargs(**_PHI3)),
+    # Phi-3-128k's LongRoPE: served within its original context (64 here), on short factors
+    "phi3-longrope": lambda: transformers.Phi3Config(
+        **_tiny_kwargs(
+            **_PHI3,
+            original_max_position_embeddings=64,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.15 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            },
+        )
+    ),
 }
 
 
@@ -158,7 +173,9 @@ def test_batched_mixed_lengths_equal_single(name: str, tmp_path: Path) -> None:
     torch.testing.assert_close(batched, torch.cat(singles), atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "llama3-rope-scaling", "mistral"])
+@pytest.mark.parametrize(
+    "name", ["llama-gqa", "qwen2-bias", "llama3-rope-scaling", "mistral", "phi3-longrope"]
+)
 def test_decode_steps_equal_full_forward(name: str, tmp_path: Path) -> None:
     """Prefill part of each sequence, then feed the rest in chunks of 1..3 tokens with
     several sequences in flight (continuous batching); logits equal transformers' full pass."""
@@ -209,6 +226,27 @@ def test_mistral_sliding_window_is_served_as_that_context(tmp_path: Path) -> Non
     # another family's sliding_window key is not Mistral's
     d = transformers.LlamaConfig(**_tiny_kwargs()).to_dict()
     assert LlamaConfig.from_dict({**d, "sliding_window": 8}).max_position_embeddings == 256
+
+
+def test_phi3_longrope_is_served_within_its_original_context(tmp_path: Path) -> None:
+    """Past ``original_max_position_embeddings`` transformers moves the whole sequence to
+    the long factors (every cached key would change): the served context stops there,
+    where the short factors and the attention factor give transformers' logits."""
+    ref, ours = _pair("phi3-longrope", tmp_path)
+    scaling = ours.config.rope_scaling
+    assert ours.config.max_position_embeddings == 64
+    assert scaling.kind == "longrope" and scaling.attention_factor > 1.0  # sqrt(1 + ln 4 / ln 64)
+    ids = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(8))
+    cache = ours.new_cache(PAGES, PAGE)
+    got = _run(ours, [ids[:64].tolist()], [BlockTable(PageAllocator(PAGES), PAGE)], cache, [0])
+    with torch.no_grad():
+        within = ref(ids[None, :64]).logits[0]
+        past = ref(ids[None]).logits[0]  # 70 tokens: the long factors, everywhere
+    torch.testing.assert_close(got, within, atol=TOL, rtol=0)
+    assert (past[:64] - within).abs().max() > 10 * TOL
+    d = transformers.Phi3Config(**_tiny_kwargs(**_PHI3)).to_dict()
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        LlamaConfig.from_dict({**d, "partial_rotary_factor": 0.75})  # Phi-4-mini's
 
 
 def test_rope_table_looks_up_what_rope_cos_sin_computes() -> None:

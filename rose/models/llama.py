@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2's q/k/v bias, Qwen3's q/k norm) on a
-paged KV cache.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Phi-3's fused projections and LongRoPE,
+Qwen2's q/k/v bias, Qwen3's q/k norm) on a paged KV cache.
 
 Plain PyTorch in the gpt-fast manner: a frozen config built from config.json, small
 modules, shape comments, and weights loaded through an explicit name map whose key set
@@ -48,20 +48,25 @@ __all__ = [
     "weight_name_map",
 ]
 
-_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
 
 log = logging.getLogger("rose.models.llama")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: ``kind`` is "default", "linear" or "llama3"."""
+    """RoPE frequency scaling: ``kind`` is "default", "linear", "llama3" or "longrope"
+    (Phi-3: each pair's frequency divided by its ``short_factor``, the cos/sin tables times
+    ``attention_factor``; served within ``original_max_position_embeddings``, where those
+    are the factors in use)."""
 
     kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    short_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class LlamaConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"config.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rope_scaling.kind not in ("default", "linear", "llama3"):
+        if self.rope_scaling.kind not in ("default", "linear", "llama3", "longrope"):
             raise ValueError(
                 f"config.rope_scaling.rope_type {self.rope_scaling.kind!r} unsupported"
             )
@@ -128,12 +133,12 @@ class LlamaConfig:
                 f"config.layer_types {sorted(set(layer_types))} unsupported (only 'full_attention')"
             )
         heads = int(d["num_attention_heads"])
-        context = int(d.get("max_position_embeddings", 2048))
-        window = d.get("sliding_window") if model_type == "mistral" else None
+        positions = context = int(d.get("max_position_embeddings", 2048))
+        window = d.get("sliding_window") if model_type in ("mistral", "phi3") else None
         if window is not None and int(window) < context:
-            # Mistral 7B v0.1: each token sees the last `window` tokens. Within that many
-            # tokens sliding attention is full causal attention, so the model is served
-            # with that context, exactly (later Mistrals set no window).
+            # Mistral 7B v0.1, Phi-3-mini-4k: each token sees the last `window` tokens.
+            # Within that many tokens sliding attention is full causal attention, so the
+            # model is served with that context, exactly (later ones set no window).
             log.info("config.sliding_window %d: the context is cut to it", int(window))
             context = int(window)
         # transformers >= 5 nests rope settings in rope_parameters; older files keep
@@ -142,6 +147,34 @@ class LlamaConfig:
         rope.update(d.get("rope_scaling") or {})
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         kind = str(rope.get("rope_type", rope.get("type", "default")))
+        # transformers >= 5 writes it in rope_parameters, older files at the top level
+        partial = min(
+            float(rope.get("partial_rotary_factor", 1.0)),
+            float(d.get("partial_rotary_factor", 1.0)),
+        )
+        if partial != 1.0:
+            raise ValueError(
+                f"config.partial_rotary_factor {partial} unsupported (RoPE over whole heads only)"
+            )
+        if kind == "su":  # Phi-3's first name for LongRoPE
+            kind = "longrope"
+        short, attention = (), 1.0
+        if kind == "longrope":
+            # Phi-3's config.json keeps it at the top level
+            top = d.get("original_max_position_embeddings", positions)
+            original = int(rope.get("original_max_position_embeddings", top))
+            short = tuple(float(f) for f in rope["short_factor"])
+            attention = rope.get("attention_factor")
+            if attention is None:  # the paper's, from the context's growth (as transformers)
+                grown = float(rope.get("factor") or positions / original)
+                attention = (
+                    1.0 if grown <= 1.0 else math.sqrt(1 + math.log(grown) / math.log(original))
+                )
+            if original < context:
+                # past it the long factors take over, for the whole sequence: every cached
+                # key would change, so the model is served within it, exactly
+                log.info("config.rope_scaling longrope: the context is cut to %d", original)
+                context = original
         scaling = RopeScaling(
             kind=kind,
             factor=float(rope.get("factor", 1.0)),
@@ -150,6 +183,8 @@ class LlamaConfig:
             original_max_position_embeddings=int(
                 rope.get("original_max_position_embeddings", 8192)
             ),
+            short_factor=short,
+            attention_factor=float(attention),
         )
         eos = d.get("eos_token_id")
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
@@ -192,6 +227,16 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     s = cfg.rope_scaling
     if s.kind == "linear":
         inv = inv / s.factor
+    elif s.kind == "longrope":
+        if len(s.short_factor) != d // 2:
+            raise ValueError(
+                f"config.rope_scaling.short_factor: {len(s.short_factor)} factors for "
+                f"{d // 2} frequency pairs"
+            )
+        inv = 1.0 / (
+            torch.tensor(s.short_factor)
+            * cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)
+        )
     elif s.kind == "llama3":
         # Long wavelengths (beyond the original context / low_freq_factor) are slowed by
         # `factor`; short ones (below context / high_freq_factor) kept; in between, a
@@ -208,12 +253,16 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(
-    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+    inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables ``[T, 1, D]`` for positions ``[T]``."""
+    """cos/sin tables ``[T, 1, D]`` for positions ``[T]``, times ``scale`` (LongRoPE's
+    attention factor; 1: none)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 class RopeTable:
@@ -449,7 +498,8 @@ class LlamaForCausalLM(nn.Module):
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._inv_freq is None or self._inv_freq.device != positions.device:
             self._inv_freq = rope_inv_freq(self.config).to(positions.device)
-        return rope_cos_sin(self._inv_freq, positions, self.tok_embeddings.weight.dtype)
+        scale = self.config.rope_scaling.attention_factor
+        return rope_cos_sin(self._inv_freq, positions, self.tok_embeddings.weight.dtype, scale)
 
     def forward(
         self,
@@ -565,6 +615,29 @@ def weight_name_map(cfg: LlamaConfig) -> dict[str, str]:
     return m
 
 
+def _unfused_phi3(raw: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Phi-3's fused ``qkv_proj`` ``[(Hq + 2 Hkv) D, H]`` and ``gate_up_proj`` ``[2 I, H]``
+    (gate first), split into the Llama layout's projections (views of the same storage)."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = dict(raw)
+    for i in range(cfg.num_hidden_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv = out.pop(attn + "qkv_proj.weight", None)
+        if qkv is not None and qkv.shape[0] == q + 2 * kv:
+            for name, part in zip(
+                ("q_proj", "k_proj", "v_proj"), qkv.split([q, kv, kv]), strict=True
+            ):
+                out[f"{attn}{name}.weight"] = part
+        elif qkv is not None:  # the shape check names it
+            out[attn + "qkv_proj.weight"] = qkv
+        gate_up = out.pop(mlp + "gate_up_proj.weight", None)
+        if gate_up is not None and gate_up.shape[0] == 2 * cfg.intermediate_size:
+            out[mlp + "gate_proj.weight"], out[mlp + "up_proj.weight"] = gate_up.chunk(2)
+        elif gate_up is not None:
+            out[mlp + "gate_up_proj.weight"] = gate_up
+    return out
+
+
 def load_state_dict(
     path: Path,
     cfg: LlamaConfig,
@@ -580,6 +653,8 @@ def load_state_dict(
     raw: dict[str, torch.Tensor] = {}
     for f in files:
         raw.update(load_file(str(f)))
+    if cfg.model_type == "phi3":
+        raw = _unfused_phi3(raw, cfg)
     names = weight_name_map(cfg)
     if cfg.tie_word_embeddings:
         raw.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway

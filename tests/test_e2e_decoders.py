@@ -1,11 +1,13 @@
-"""A Mistral decoder chats end to end: a real Tulip process behind one real Ivy.
+"""Mistral and Phi-3 decoders chat end to end: a real Tulip process behind one real Ivy.
 
-A tiny random ``MistralForCausalLM`` (explicit head_dim, a sliding window shorter than its
-positions, as Mistral 7B v0.1 has), saved with `transformers`, with a byte-level BPE
-``tokenizer.json`` built here and an ``[INST]`` chat template written here. Tulip serves it
-as a generator whose context is the window (where sliding attention is full attention);
-chat completions, whole and streamed, equal `transformers`' greedy ``generate`` on the ids
-its template gives, and a prompt past the window is refused as over the context.
+For each family a tiny random ``*ForCausalLM`` saved with `transformers`, with a byte-level
+BPE ``tokenizer.json`` built here and an ``[INST]`` chat template written here: Mistral with
+an explicit head_dim and a sliding window shorter than its positions (as 7B v0.1 has), Phi-3
+with its fused projections and LongRoPE over an original context shorter than its positions
+(as the 128k models have). Tulip serves each as a generator whose context is that window or
+original context (where the model is what `transformers` computes); chat completions, whole
+and streamed, equal `transformers`' greedy ``generate`` on the ids its template gives, and a
+prompt past the context is refused.
 """
 
 from __future__ import annotations
@@ -45,13 +47,27 @@ CHATS = [
         {"role": "user", "content": "The quick brown fox?"},
     ],
 ]
-WINDOW = 96
+CONTEXT = 96  # the served context: Mistral's window, Phi-3's original context
+FAMILIES: dict[str, tuple[type, dict[str, object]]] = {
+    "mistral": (transformers.MistralConfig, {"head_dim": 24, "sliding_window": CONTEXT}),
+    "phi3": (
+        transformers.Phi3Config,
+        {
+            "original_max_position_embeddings": CONTEXT,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [3.0 + 0.5 * i for i in range(8)],
+            },
+        },
+    ),
+}
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("mistral")
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp(request.param)
     vocab = tiny_configs.byte_bpe(
         path,
         CORPUS,
@@ -64,14 +80,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         model_max_length=512,
     )
     torch.manual_seed(11)
+    config, family = FAMILIES[request.param]
     model = tiny_configs.chat_decoder(
-        transformers.MistralConfig,
+        config,
         vocab,
-        head_dim=24,
         max_position_embeddings=512,
-        sliding_window=WINDOW,
         bos_token_id=SPECIALS.index("<s>"),
         eos_token_id=SPECIALS.index("</s>"),
+        pad_token_id=SPECIALS.index("<unk>"),
+        **family,
     )
     model.save_pretrained(path, safe_serialization=True)
     return path
@@ -87,7 +104,7 @@ def want(model_dir: Path) -> list[tuple[list[int], str, str]]:
     for chat in CHATS:
         ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
         ids = list(ids["input_ids"] if "input_ids" in ids else ids)
-        assert len(ids) + MAX_TOKENS <= WINDOW  # within the window: full attention
+        assert len(ids) + MAX_TOKENS <= CONTEXT  # what is served: transformers' model
         with torch.no_grad():
             generated = model.generate(
                 torch.tensor([ids]),
@@ -106,20 +123,20 @@ def want(model_dir: Path) -> list[tuple[list[int], str, str]]:
 
 @pytest.fixture(scope="module")
 def base(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    logs = tmp_path_factory.mktemp("mistral-logs")
+    logs = tmp_path_factory.mktemp(f"{model_dir.name}-logs")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     args = ["--model", str(model_dir), "--device", "cpu", "--threads", "1"]
-    tulip = TulipProcess([*args, "--model-name", "mistral"], log_path=logs / "tulip.log", env=env)
+    tulip = TulipProcess([*args, "--model-name", "decoder"], log_path=logs / "tulip.log", env=env)
     with contextlib.ExitStack() as stack:
         stack.enter_context(tulip)
         tulip.wait_serving()
-        served = {"mistral": (model_dir, tulip.target)}
+        served = {"decoder": (model_dir, tulip.target)}
         yield stack.enter_context(ivy_over(served, logs / "ivy.log", env))
 
 
 def _body(chat: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
     return {
-        "model": "mistral",
+        "model": "decoder",
         "messages": chat,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
@@ -143,17 +160,18 @@ def test_chat_equals_transformers_greedy(base: str, want: list[tuple[list[int], 
             assert "".join(deltas) == text
 
 
-def test_the_window_is_the_served_context(base: str) -> None:
-    """The tokenizer route reports the window as the model's length, and a prompt that
-    with its answer would pass the window is a 400 naming the context."""
+def test_the_served_context_is_where_the_model_is_exact(base: str) -> None:
+    """The tokenizer route reports the window (Mistral) or original context (Phi-3) as the
+    model's length, and a prompt that with its answer would pass it is a 400 naming the
+    context."""
     with httpx.Client(base_url=base, timeout=120) as http:
-        info = http.post("/tokenize", json={"model": "mistral", "prompt": "Paris"}).json()
-        assert info["max_model_len"] == WINDOW
+        info = http.post("/tokenize", json={"model": "decoder", "prompt": "Paris"}).json()
+        assert info["max_model_len"] == CONTEXT
         r = http.post(
             "/v1/completions",
-            json={"model": "mistral", "prompt": [5] * (WINDOW - 4), "max_tokens": 8},
+            json={"model": "decoder", "prompt": [5] * (CONTEXT - 4), "max_tokens": 8},
         )
         assert r.status_code == 400, r.text
         assert r.json()["error"]["code"] == "context_length_exceeded"
-        fits = {"model": "mistral", "prompt": [5] * (WINDOW - 8), "max_tokens": 8}
+        fits = {"model": "decoder", "prompt": [5] * (CONTEXT - 8), "max_tokens": 8}
         assert http.post("/v1/completions", json=fits).status_code == 200
