@@ -14,6 +14,10 @@ the messages (``tool_calls``, role ``tool``). What comes back is read by ``tool_
     objects (``arguments`` also read), joined by ``;``, optionally after ``<|python_tag|>``
     (Llama 3.1-3.3, whose templates give tool results the ``ipython`` role); a call is the
     whole answer or nothing.
+  - ``mistral``: ``[TOOL_CALLS]`` then a JSON list of ``{"name": ..., "arguments": {...}}``
+    (Mistral 7B v0.3, Nemo, Small); the text before it is the content. ``[TOOL_CALLS]`` is
+    a special token, left out of the decoded text, so an answer that is such a list alone
+    is read as calls too.
 - ``required``: the answer is held, token by token (`rose.grammar`), to a JSON list of
   ``{"name", "parameters"}`` over the tools (vLLM's schema), read as calls.
 - a named function: the answer is held to that function's parameter schema; it is the
@@ -55,6 +59,7 @@ __all__ = [
     "ToolStream",
     "parse_hermes",
     "parse_llama3_json",
+    "parse_mistral",
     "plan_tools",
     "template_tools",
 ]
@@ -62,6 +67,7 @@ __all__ = [
 _START = "<tool_call>"
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)$", re.DOTALL)
 _PYTHON_TAG = "<|python_tag|>"
+_MISTRAL_CALLS = "[TOOL_CALLS]"
 _LLAMA3_STARTS = ("{", _PYTHON_TAG)
 
 Calls = list[tuple[str, str]]  # (name, arguments JSON)
@@ -97,7 +103,7 @@ class _Hermes(CallFormat):
         at = held.find(_START)
         if at >= 0:
             return held[:at], held[at:], True
-        keep = _partial_start(held)
+        keep = _partial(held, _START)
         return held[: len(held) - keep], held[len(held) - keep :], False
 
 
@@ -120,7 +126,28 @@ class _Llama3Json(CallFormat):
         return held, "", False
 
 
-FORMATS: tuple[CallFormat, ...] = (_Hermes(), _Llama3Json())
+class _MistralJson(CallFormat):
+    name = "mistral"
+    marker = _MISTRAL_CALLS
+
+    def parse(self, text: str) -> tuple[str | None, Calls] | None:
+        return parse_mistral(text)
+
+    def split(self, held: str, began: bool) -> tuple[str, str, bool]:
+        at = held.find(_MISTRAL_CALLS)
+        if at >= 0:
+            return held[:at], held[at:], True
+        if not began:  # the tag itself decodes to nothing: a list alone may be the calls
+            body = held.lstrip()
+            if body.startswith("["):
+                return "", held, True
+            if not body:
+                return "", held, False
+        keep = _partial(held, _MISTRAL_CALLS)
+        return held[: len(held) - keep], held[len(held) - keep :], False
+
+
+FORMATS: tuple[CallFormat, ...] = (_Hermes(), _Llama3Json(), _MistralJson())
 """The call formats `auto` reads, in the order templates are matched against them."""
 
 
@@ -302,6 +329,32 @@ def parse_llama3_json(text: str) -> tuple[str | None, Calls] | None:
         at = len(body) - len(rest[1:].lstrip())
 
 
+def parse_mistral(text: str) -> tuple[str | None, Calls] | None:
+    """(content, [(name, arguments JSON)]) of an answer with Mistral tool calls, None when
+    it has none or they do not parse (then it is all content), as vLLM's ``mistral``
+    parser: the text before ``[TOOL_CALLS]`` is the content (None when empty), after it a
+    JSON list of calls with a ``name`` and ``arguments``. Without the tag (a special
+    token, decoded to nothing) the answer must be such a list alone."""
+    content: str | None = None
+    body = text
+    if _MISTRAL_CALLS in text:
+        at = text.index(_MISTRAL_CALLS)
+        content, body = text[:at] or None, text[at + len(_MISTRAL_CALLS) :]
+    try:
+        items = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(items, list) or not items:
+        return None
+    calls: Calls = []
+    for call in items:
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+    return content, calls
+
+
 def _required_calls(text: str) -> Calls | None:
     try:
         items = json.loads(text)
@@ -367,9 +420,9 @@ def _delta(index: int, call: ToolCallOut) -> ToolCallDelta:
     )
 
 
-def _partial_start(text: str) -> int:
-    """How many of the text's last characters could begin ``<tool_call>``."""
-    for n in range(min(len(text), len(_START) - 1), 0, -1):
-        if _START.startswith(text[-n:]):
+def _partial(text: str, tag: str) -> int:
+    """How many of the text's last characters could begin ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
             return n
     return 0

@@ -1,5 +1,5 @@
-"""Reading tool calls out of an answer (`ivy.tools`): the Hermes and Llama 3 JSON formats
-as vLLM's hermes and llama3_json parsers read them, `required`'s JSON list, a named call's
+"""Reading tool calls out of an answer (`ivy.tools`): the Hermes, Llama 3 JSON and Mistral
+formats as vLLM's hermes, llama3_json and mistral parsers read them, `required`'s JSON list, a named call's
 arguments, and the streamed reader, which sends content at once except text that may
 start a call."""
 
@@ -9,7 +9,14 @@ import json
 
 import pytest
 
-from ivy.tools import FORMATS, ToolPlan, ToolStream, parse_hermes, parse_llama3_json
+from ivy.tools import (
+    FORMATS,
+    ToolPlan,
+    ToolStream,
+    parse_hermes,
+    parse_llama3_json,
+    parse_mistral,
+)
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
@@ -85,6 +92,48 @@ def test_llama3_json_plan_reads_answers_and_streams() -> None:
     # held text that only looked like a call's start goes out at the end as content
     sent, deltas, finish = _stream(auto, ["  ", "<|pyth"], "length")
     assert ("".join(sent), deltas, sent[:2]) == ("  <|pyth", [], ["", ""])
+
+
+MISTRAL = next(f for f in FORMATS if f.name == "mistral")
+MISTRAL_CALLS = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_time"}]'
+
+
+def test_mistral_calls_after_the_tag_or_alone() -> None:
+    calls = [("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
+    assert parse_mistral("[TOOL_CALLS] " + MISTRAL_CALLS) == (None, calls)
+    assert parse_mistral("Checking.[TOOL_CALLS]" + MISTRAL_CALLS) == ("Checking.", calls)
+    # the tag is a special token, decoded to nothing: the list alone is the calls
+    assert parse_mistral(" " + MISTRAL_CALLS + "\n") == (None, calls)
+    for answer in (
+        "It is sunny.",
+        "Sure: " + MISTRAL_CALLS,  # text before a list without the tag: content
+        MISTRAL_CALLS + " Done.",
+        "[TOOL_CALLS] [{]",
+        "[]",
+        "[1, 2]",
+        '[{"city": "Oslo"}]',
+    ):
+        assert parse_mistral(answer) is None, answer
+
+
+def test_mistral_plan_streams() -> None:
+    auto = ToolPlan("auto", TOOLS, format=MISTRAL)
+    for answer, content in (
+        ("[TOOL_CALLS]" + MISTRAL_CALLS, ""),
+        ("Let me see. [TOOL_CALLS]" + MISTRAL_CALLS, "Let me see. "),
+    ):
+        for cut in (1, 5, 13):
+            pieces = [answer[i : i + cut] for i in range(0, len(answer), cut)]
+            sent, deltas, finish = _stream(auto, pieces)
+            assert "".join(sent) == content and finish == "tool_calls"
+            assert [d.function.name for d in deltas] == ["get_weather", "get_time"]
+    sent, deltas, finish = _stream(auto, [" ", MISTRAL_CALLS[:9], MISTRAL_CALLS[9:]])
+    assert ("".join(sent), finish) == ("", "tool_calls") and len(deltas) == 2
+    # text streams as it comes; a list that is no call goes out at the end
+    sent, deltas, _ = _stream(auto, ["Sunny", " [TOOL", " in Oslo."])
+    assert (sent[0], "".join(sent), deltas) == ("Sunny", "Sunny [TOOL in Oslo.", [])
+    sent, deltas, finish = _stream(auto, ["[1, ", "2]"], "stop")
+    assert ("".join(sent), sent[:2], deltas, finish) == ("[1, 2]", ["", ""], [], "stop")
 
 
 def test_plans_read_answers() -> None:

@@ -628,7 +628,7 @@ def _unfused_phi3(raw: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, t
                 ("q_proj", "k_proj", "v_proj"), qkv.split([q, kv, kv]), strict=True
             ):
                 out[f"{attn}{name}.weight"] = part
-        elif qkv is not None:  # the shape check names it
+        elif qkv is not None:  # not Phi-3's shape: left for the key-set check to name
             out[attn + "qkv_proj.weight"] = qkv
         gate_up = out.pop(mlp + "gate_up_proj.weight", None)
         if gate_up is not None and gate_up.shape[0] == 2 * cfg.intermediate_size:

@@ -1,14 +1,21 @@
-"""Llama 3 tool calling end to end: a real Tulip process behind one real Ivy.
+"""Tool-call formats other than Hermes end to end: a real Tulip process behind one real Ivy.
 
-A tiny random ``LlamaForCausalLM`` saved with `transformers`, a byte-level BPE
+For each format a tiny random decoder saved with `transformers`, a byte-level BPE
 ``tokenizer.json`` built here with HF `tokenizers`, and a chat template written here in
-the Llama 3.1-3.3 style: tools listed in a system turn, an assistant's call written as
-``{"name": ..., "parameters": {...}}``, a tool's answer under the ``ipython`` header (what
-`ivy.tools` knows the format by). ``tool_choice: auto`` reads such an answer as a call
-(vLLM's ``llama3_json`` parser): the answer is held to a call's shape here by a
-``response_format`` (a tiny random model writes no call of its own), whole and streamed,
-and a conversation with an earlier call and its answer reaches the model as
-`transformers`' template renders it, its greedy answer content.
+its family's style (what `ivy.tools` knows the format by):
+
+- ``llama3_json`` (a ``LlamaForCausalLM``): tools in a system turn, an assistant's call
+  written as ``{"name": ..., "parameters": {...}}``, a tool's answer under the ``ipython``
+  header;
+- ``mistral`` (a ``MistralForCausalLM``): tools in ``[AVAILABLE_TOOLS]``, calls as
+  ``[TOOL_CALLS]`` then a JSON list, a tool's answer in ``[TOOL_RESULTS]``; the tag is a
+  special token, so the decoded answer is the list alone.
+
+``tool_choice: auto`` reads such an answer as calls (vLLM's parser of that name): the
+answer is held to the calls' shape here by a ``response_format`` (a tiny random model
+writes no call of its own), whole and streamed, and a conversation with an earlier call
+and its answer reaches the model as `transformers`' template renders it, its greedy
+answer content.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import contextlib
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +37,7 @@ from ivy_process import ivy_over
 
 from tulip.process import TulipProcess
 
-SPECIALS = [
+LLAMA3_SPECIALS = [
     "<|begin_of_text|>",
     "<|end_of_text|>",
     "<|start_header_id|>",
@@ -37,7 +45,7 @@ SPECIALS = [
     "<|eot_id|>",
     "<|python_tag|>",
 ]
-TEMPLATE = """
+LLAMA3_TEMPLATE = """
 {{- bos_token }}
 {%- if tools %}
 {{- '<|start_header_id|>system<|end_header_id|>\\n\\nEnvironment: ipython\\n' }}
@@ -60,9 +68,42 @@ TEMPLATE = """
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}
 """
+MISTRAL_SPECIALS = [
+    "<unk>",
+    "<s>",
+    "</s>",
+    "[INST]",
+    "[/INST]",
+    "[TOOL_CALLS]",
+    "[AVAILABLE_TOOLS]",
+    "[/AVAILABLE_TOOLS]",
+    "[TOOL_RESULTS]",
+    "[/TOOL_RESULTS]",
+]
+MISTRAL_TEMPLATE = """
+{{- bos_token }}
+{%- for message in messages %}
+{%- if message.role == 'user' %}
+{%- if tools and loop.last %}{{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}
+{{- '[INST] ' + message.content + '[/INST]' }}
+{%- elif message.role == 'tool' %}
+{{- '[TOOL_RESULTS] ' + ({"content": message.content, "call_id": message.tool_call_id} | tojson) + '[/TOOL_RESULTS]' }}
+{%- elif message.tool_calls %}
+{{- '[TOOL_CALLS] [' }}
+{%- for call in message.tool_calls %}
+{{- ({"name": call.function.name, "arguments": call.function.arguments, "id": call.id} | tojson) }}
+{%- if not loop.last %}{{- ', ' }}{%- endif %}
+{%- endfor %}
+{{- ']' + eos_token }}
+{%- else %}
+{{- message.content + eos_token }}
+{%- endif %}
+{%- endfor %}
+"""
 CORPUS = [
     "What is the weather in Oslo? It is sunny and cold.",
     '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+    '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
     '{"type": "function", "function": {"name": "get_weather", "description": "Weather."}}',
     "Environment: ipython. To use a function, answer with JSON alone.",
 ]
@@ -74,7 +115,7 @@ TOOLS: list[dict[str, Any]] = [
             "description": "The weather in a city.",
             "parameters": {
                 "type": "object",
-                "properties": {"city": {"type": "string", "maxLength": 6}},
+                "properties": {"city": {"type": "string", "enum": ["Oslo", "Paris", "Lima"]}},
                 "required": ["city"],
                 "additionalProperties": False,
             },
@@ -97,41 +138,81 @@ ANSWERED = [
     },
     {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, -3 C."},
 ]
-# a call's shape for get_weather: what the answer is held to
-CALL_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "enum": ["get_weather"]},
-        "parameters": TOOLS[0]["function"]["parameters"],
-    },
-    "required": ["name", "parameters"],
-    "additionalProperties": False,
+ARGUMENTS = TOOLS[0]["function"]["parameters"]
+
+
+def _call_schema(key: str) -> dict[str, Any]:
+    """A get_weather call's shape, its arguments under ``key``."""
+    return {
+        "type": "object",
+        "properties": {"name": {"type": "string", "enum": ["get_weather"]}, key: ARGUMENTS},
+        "required": ["name", key],
+        "additionalProperties": False,
+    }
+
+
+@dataclass(frozen=True)
+class Format:
+    """A family's model and template, and the shape its calling answers are held to."""
+
+    config: type
+    specials: list[str]
+    template: str
+    bos: str
+    eos: str
+    calls: dict[str, Any]
+
+
+FORMATS = {
+    "llama3_json": Format(
+        transformers.LlamaConfig,
+        LLAMA3_SPECIALS,
+        LLAMA3_TEMPLATE,
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        _call_schema("parameters"),
+    ),
+    "mistral": Format(
+        transformers.MistralConfig,
+        MISTRAL_SPECIALS,
+        MISTRAL_TEMPLATE,
+        "<s>",
+        "</s>",
+        {"type": "array", "items": _call_schema("arguments"), "minItems": 1, "maxItems": 1},
+    ),
 }
 MAX_TOKENS = 96
 
 
+@pytest.fixture(scope="module", params=list(FORMATS))
+def fmt(request: pytest.FixtureRequest) -> Format:
+    return FORMATS[request.param]
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("llama3-tools")
+def model_dir(fmt: Format, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tools")
     vocab = tiny_configs.byte_bpe(
         path,
         CORPUS,
-        SPECIALS,
+        fmt.specials,
         400,
-        chat_template=TEMPLATE,
-        bos_token="<|begin_of_text|>",
-        eos_token="<|eot_id|>",
+        chat_template=fmt.template,
+        bos_token=fmt.bos,
+        eos_token=fmt.eos,
         model_max_length=2048,
     )
     torch.manual_seed(3)
-    model = tiny_configs.chat_decoder(
-        transformers.LlamaConfig,
-        vocab,
-        bos_token_id=SPECIALS.index("<|begin_of_text|>"),
-        eos_token_id=SPECIALS.index("<|eot_id|>"),
-    )
+    ids = {"bos_token_id": fmt.specials.index(fmt.bos), "eos_token_id": fmt.specials.index(fmt.eos)}
+    model = tiny_configs.chat_decoder(fmt.config, vocab, **ids)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+@pytest.fixture(scope="module")
+def held_to_calls(fmt: Format) -> dict[str, object]:
+    """The response_format that holds an answer to this format's calls."""
+    return {"type": "json_schema", "json_schema": {"name": "calls", "schema": fmt.calls}}
 
 
 @pytest.fixture(scope="module")
@@ -143,21 +224,21 @@ def reference(model_dir: Path) -> tuple[Any, Any]:
 
 @pytest.fixture(scope="module")
 def base(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    logs = tmp_path_factory.mktemp("llama3-tools-logs")
+    logs = tmp_path_factory.mktemp(f"{model_dir.name}-logs")
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     args = ["--model", str(model_dir), "--device", "cpu", "--threads", "1"]
-    tulip = TulipProcess([*args, "--model-name", "llama3"], log_path=logs / "tulip.log", env=env)
+    tulip = TulipProcess([*args, "--model-name", "tools"], log_path=logs / "tulip.log", env=env)
     with contextlib.ExitStack() as stack:
         stack.enter_context(tulip)
         tulip.wait_serving()
         yield stack.enter_context(
-            ivy_over({"llama3": (model_dir, tulip.target)}, logs / "ivy.log", env)
+            ivy_over({"tools": (model_dir, tulip.target)}, logs / "ivy.log", env)
         )
 
 
 def _body(messages: list[dict[str, Any]], **extra: object) -> dict[str, object]:
     return {
-        "model": "llama3",
+        "model": "tools",
         "messages": messages,
         "tools": TOOLS,
         "max_tokens": MAX_TOKENS,
@@ -166,20 +247,13 @@ def _body(messages: list[dict[str, Any]], **extra: object) -> dict[str, object]:
     }
 
 
-def _held_to_a_call() -> dict[str, object]:
-    return {
-        "type": "json_schema",
-        "json_schema": {"name": "call", "schema": CALL_SCHEMA, "strict": True},
-    }
-
-
-def test_auto_reads_a_llama3_json_answer_as_a_call(base: str) -> None:
+def test_auto_reads_a_calling_answer_as_calls(base: str, held_to_calls: dict[str, object]) -> None:
     """An answer that is a call (held to the shape by response_format) comes back as
     tool_calls with no content and finish_reason tool_calls; its arguments validate."""
     import jsonschema
 
     with httpx.Client(base_url=base, timeout=120) as http:
-        r = http.post("/v1/chat/completions", json=_body(ASK, response_format=_held_to_a_call()))
+        r = http.post("/v1/chat/completions", json=_body(ASK, response_format=held_to_calls))
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls", choice
@@ -187,13 +261,13 @@ def test_auto_reads_a_llama3_json_answer_as_a_call(base: str) -> None:
     [call] = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"]["name"] == "get_weather"
-    jsonschema.validate(
-        json.loads(call["function"]["arguments"]), CALL_SCHEMA["properties"]["parameters"]
-    )  # type: ignore[index]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), ARGUMENTS)
 
 
-def test_streamed_auto_sends_the_call_and_no_content(base: str) -> None:
-    body = _body(ASK, response_format=_held_to_a_call(), stream=True)
+def test_streamed_auto_sends_the_call_and_no_content(
+    base: str, held_to_calls: dict[str, object]
+) -> None:
+    body = _body(ASK, response_format=held_to_calls, stream=True)
     with httpx.Client(base_url=base, timeout=120) as http:
         whole = http.post("/v1/chat/completions", json={**body, "stream": False}).json()
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -213,9 +287,9 @@ def test_streamed_auto_sends_the_call_and_no_content(base: str) -> None:
 def test_an_answered_call_reaches_the_model_as_transformers_renders_it(
     base: str, reference: tuple[Any, Any]
 ) -> None:
-    """The tools, the earlier call and the tool's answer (under the ipython header) give
-    the prompt transformers' template gives; the free answer after them is transformers'
-    greedy text, read as content (it is no call)."""
+    """The tools, the earlier call and the tool's answer give the prompt transformers'
+    template gives; the free answer after them is transformers' greedy text, read as
+    content (it is no call)."""
     tokenizer, model = reference
     ids = tokenizer.apply_chat_template(
         tiny_configs.template_messages(ANSWERED),
@@ -224,7 +298,6 @@ def test_an_answered_call_reaches_the_model_as_transformers_renders_it(
         tokenize=True,
     )
     ids = list(ids["input_ids"] if "input_ids" in ids else ids)
-    assert tokenizer.convert_tokens_to_ids("<|end_header_id|>") in ids
     with torch.no_grad():
         out = model.generate(
             torch.tensor([ids]),
@@ -236,7 +309,7 @@ def test_an_answered_call_reaches_the_model_as_transformers_renders_it(
     new = out[0, len(ids) :].tolist()
     eos = model.config.eos_token_id
     text = tokenizer.decode(new[: new.index(eos)] if eos in new else new, skip_special_tokens=True)
-    assert not text.lstrip().startswith("{")  # the reference answer is no call
+    assert not text.lstrip().startswith(("{", "["))  # the reference answer is no call
     with httpx.Client(base_url=base, timeout=120) as http:
         r = http.post("/v1/chat/completions", json={**_body(ANSWERED), "max_tokens": 24})
     assert r.status_code == 200, r.text
