@@ -100,11 +100,7 @@ class _Hermes(CallFormat):
         return parse_hermes(text)
 
     def split(self, held: str, began: bool) -> tuple[str, str, bool]:
-        at = held.find(_START)
-        if at >= 0:
-            return held[:at], held[at:], True
-        keep = _partial(held, _START)
-        return held[: len(held) - keep], held[len(held) - keep :], False
+        return _split_at(held, _START)
 
 
 class _Llama3Json(CallFormat):
@@ -134,17 +130,13 @@ class _MistralJson(CallFormat):
         return parse_mistral(text)
 
     def split(self, held: str, began: bool) -> tuple[str, str, bool]:
-        at = held.find(_MISTRAL_CALLS)
-        if at >= 0:
-            return held[:at], held[at:], True
         if not began:  # the tag itself decodes to nothing: a list alone may be the calls
             body = held.lstrip()
             if body.startswith("["):
                 return "", held, True
             if not body:
                 return "", held, False
-        keep = _partial(held, _MISTRAL_CALLS)
-        return held[: len(held) - keep], held[len(held) - keep :], False
+        return _split_at(held, _MISTRAL_CALLS)
 
 
 FORMATS: tuple[CallFormat, ...] = (_Hermes(), _Llama3Json(), _MistralJson())
@@ -418,6 +410,16 @@ def _delta(index: int, call: ToolCallOut) -> ToolCallDelta:
     return ToolCallDelta(
         index, FunctionCallDelta(call.function.name, call.function.arguments), call.id, "function"
     )
+
+
+def _split_at(held: str, tag: str) -> tuple[str, str, bool]:
+    """`CallFormat.split` for calls that start at ``tag`` anywhere: the text before it is
+    content; with no tag yet, all but an end that may begin it."""
+    at = held.find(tag)
+    if at >= 0:
+        return held[:at], held[at:], True
+    keep = _partial(held, tag)
+    return held[: len(held) - keep], held[len(held) - keep :], False
 
 
 def _partial(text: str, tag: str) -> int:
