@@ -1,11 +1,13 @@
-"""Mistral and Phi-3 decoders chat end to end: a real Tulip process behind one real Ivy.
+"""Mistral, Phi-3 and Qwen3-MoE decoders chat end to end: a real Tulip process behind one
+real Ivy.
 
 For each family a tiny random ``*ForCausalLM`` saved with `transformers`, with a byte-level
 BPE ``tokenizer.json`` built here and an ``[INST]`` chat template written here: Mistral with
 an explicit head_dim and a sliding window shorter than its positions (as 7B v0.1 has), Phi-3
 with its fused projections and LongRoPE over an original context shorter than its positions
-(as the 128k models have). Tulip serves each as a generator whose context is that window or
-original context (where the model is what `transformers` computes); chat completions, whole
+(as the 128k models have), Qwen3-MoE with routed experts in all but one layer. Tulip serves
+each as a generator whose context is that window or original context (where the model is
+what `transformers` computes); chat completions, whole
 and streamed, equal `transformers`' greedy ``generate`` on the ids its template gives, and a
 prompt past the context is refused.
 """
@@ -47,7 +49,7 @@ CHATS = [
         {"role": "user", "content": "The quick brown fox?"},
     ],
 ]
-CONTEXT = 96  # the served context: Mistral's window, Phi-3's original context
+CONTEXT = 96  # the served context: Mistral's window, Phi-3's original context, Qwen3-MoE's
 FAMILIES: dict[str, tuple[type, dict[str, object]]] = {
     "mistral": (transformers.MistralConfig, {"head_dim": 24, "sliding_window": CONTEXT}),
     "phi3": (
@@ -59,6 +61,18 @@ FAMILIES: dict[str, tuple[type, dict[str, object]]] = {
                 "short_factor": [1.0 + 0.1 * i for i in range(8)],
                 "long_factor": [3.0 + 0.5 * i for i in range(8)],
             },
+        },
+    ),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        {
+            "head_dim": 16,
+            "max_position_embeddings": CONTEXT,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "mlp_only_layers": [1],
+            "norm_topk_prob": True,
         },
     ),
 }
@@ -84,11 +98,13 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     model = tiny_configs.chat_decoder(
         config,
         vocab,
-        max_position_embeddings=512,
-        bos_token_id=SPECIALS.index("<s>"),
-        eos_token_id=SPECIALS.index("</s>"),
-        pad_token_id=SPECIALS.index("<unk>"),
-        **family,
+        **{
+            "max_position_embeddings": 512,
+            "bos_token_id": SPECIALS.index("<s>"),
+            "eos_token_id": SPECIALS.index("</s>"),
+            "pad_token_id": SPECIALS.index("<unk>"),
+            **family,
+        },
     )
     model.save_pretrained(path, safe_serialization=True)
     return path
@@ -161,8 +177,8 @@ def test_chat_equals_transformers_greedy(base: str, want: list[tuple[list[int], 
 
 
 def test_the_served_context_is_where_the_model_is_exact(base: str) -> None:
-    """The tokenizer route reports the window (Mistral) or original context (Phi-3) as the
-    model's length, and a prompt that with its answer would pass it is a 400 naming the
+    """The tokenizer route reports the window (Mistral), original context (Phi-3) or
+    positions (Qwen3-MoE) as the model's length, and a prompt that with its answer would pass it is a 400 naming the
     context."""
     with httpx.Client(base_url=base, timeout=120) as http:
         info = http.post("/tokenize", json={"model": "decoder", "prompt": "Paris"}).json()

@@ -72,6 +72,28 @@ CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(**_tiny_kwargs(head_dim=24, sliding_window=None)),
     # Mistral 7B v0.1's window: served with that context (40 tokens here fit it)
     "mistral-window": lambda: transformers.MistralConfig(**_tiny_kwargs(sliding_window=48)),
+    # Qwen3-MoE: layers 0 and 2 route over 4 experts (2 per token), layer 1 stays dense
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(
+        **_tiny_kwargs(
+            num_hidden_layers=3,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_only_layers=[1],
+            norm_topk_prob=True,
+        )
+    ),
+    "qwen3-moe-step2-unnormalized": lambda: transformers.Qwen3MoeConfig(
+        **_tiny_kwargs(
+            head_dim=16,
+            num_experts=3,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            decoder_sparse_step=2,
+            norm_topk_prob=False,
+        )
+    ),
     # Phi-3: fused qkv and gate/up projections in the checkpoint
     "phi3": lambda: transformers.Phi3Config(**_tiny_kwargs(**_PHI3)),
     # Phi-3-128k's LongRoPE: served within its original context (64 here), on short factors
@@ -159,7 +181,7 @@ def test_fused_projections_keep_the_logits(name: str, tmp_path: Path) -> None:
     torch.testing.assert_close(got, want, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias"])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias", "qwen3-moe"])
 def test_batched_mixed_lengths_equal_single(name: str, tmp_path: Path) -> None:
     _, ours = _pair(name, tmp_path)
     g = torch.Generator().manual_seed(2)
@@ -174,7 +196,8 @@ def test_batched_mixed_lengths_equal_single(name: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["llama-gqa", "qwen2-bias", "llama3-rope-scaling", "mistral", "phi3-longrope"]
+    "name",
+    ["llama-gqa", "qwen2-bias", "llama3-rope-scaling", "mistral", "phi3-longrope", "qwen3-moe"],
 )
 def test_decode_steps_equal_full_forward(name: str, tmp_path: Path) -> None:
     """Prefill part of each sequence, then feed the rest in chunks of 1..3 tokens with

@@ -66,6 +66,7 @@ CAUSAL_LM_ARCHITECTURES = {
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 """config.json ``model_type`` → the architecture its generators declare (`rose.models.llama`)."""
 

@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Phi-3's fused projections and LongRoPE,
-Qwen2's q/k/v bias, Qwen3's q/k norm) on a paged KV cache.
+Qwen2's q/k/v bias, Qwen3's q/k norm, Qwen3-MoE's routed experts) on a paged KV cache.
 
 Plain PyTorch in the gpt-fast manner: a frozen config built from config.json, small
 modules, shape comments, and weights loaded through an explicit name map whose key set
@@ -48,7 +48,7 @@ __all__ = [
     "weight_name_map",
 ]
 
-_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 
 log = logging.getLogger("rose.models.llama")
 
@@ -92,6 +92,14 @@ class LlamaConfig:
     model_type: str = "llama"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # Qwen3-MoE: the layers whose MLP is `SparseMoE` (num_experts experts of
+    # moe_intermediate_size, experts_per_token routed per token, their weights renormalized
+    # over the chosen ones when norm_topk_prob); the other layers keep the dense MLP
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     def __post_init__(self) -> None:
         for key in (
@@ -190,7 +198,7 @@ class LlamaConfig:
         eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
         attention_bias = bool(d.get("attention_bias", False))
         is_qwen2 = model_type == "qwen2"
-        is_qwen3 = model_type == "qwen3"
+        is_qwen3 = model_type in ("qwen3", "qwen3_moe")
         # transformers' Qwen3 default head_dim is 128, not hidden_size // heads
         head_dim = d.get("head_dim") or (128 if is_qwen3 else int(d["hidden_size"]) // heads)
         return LlamaConfig(
@@ -213,11 +221,33 @@ class LlamaConfig:
             model_type=model_type,
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
+            **_moe_fields(d) if model_type == "qwen3_moe" else {},
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layers)
 
     @staticmethod
     def from_file(path: str | Path) -> LlamaConfig:
         return LlamaConfig.from_dict(json.loads(Path(path).read_text()))
+
+
+def _moe_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's expert settings; a layer is sparse, as transformers builds it, unless it
+    is in ``mlp_only_layers``, when ``(layer + 1) % decoder_sparse_step == 0``."""
+    experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)  # transformers 5
+    step = int(d.get("decoder_sparse_step", 1))
+    dense = set(d.get("mlp_only_layers") or [])
+    layers = range(int(d["num_hidden_layers"]))
+    sparse = tuple(i for i in layers if i not in dense and experts > 0 and (i + 1) % step == 0)
+    return {
+        "moe_layers": sparse,
+        "num_experts": experts,
+        "experts_per_token": int(d.get("num_experts_per_tok", 0)),
+        "moe_intermediate_size": int(d.get("moe_intermediate_size", 0)),
+        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+    }
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -396,9 +426,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        h, i = cfg.hidden_size, cfg.intermediate_size
+        h, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.w_gate = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.w_up = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.w_down = nn.Linear(i, h, bias=cfg.mlp_bias)
@@ -417,13 +447,50 @@ class MLP(nn.Module):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
 
 
+class SparseMoE(nn.Module):
+    """Qwen3-MoE's routed MLP: a router picks ``k`` of ``E`` expert MLPs per token, whose
+    outputs are summed weighted by the router's softmax (fp32) over the chosen ones
+    (renormalized when ``norm_topk_prob``). Each expert runs once per pass, on the tokens
+    routed to it, in ascending expert order (so a token's sum runs in transformers' order)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.k = cfg.experts_per_token
+        self.normalize = cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [T, E]
+        weights, chosen = probs.topk(self.k, dim=-1)  # [T, k] each
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)  # [T, H]
+        # one sync for the whole layer: which (slot, token) pairs each expert serves
+        flat = chosen.t().reshape(-1)  # [k * T], slot-major, as transformers walks them
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        slots, tokens = order // x.shape[0], order % x.shape[0]
+        at = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                t, j = tokens[at : at + n], slots[at : at + n]
+                y = expert(x.index_select(0, t)) * weights[t, j, None]  # [n, H]
+                out.index_add_(0, t, y)
+                at += n
+        return out
+
+
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attention = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = SparseMoE(cfg) if layer in cfg.moe_layers else MLP(cfg)
 
     def forward(
         self,
@@ -608,6 +675,16 @@ def weight_name_map(cfg: LlamaConfig) -> dict[str, str]:
         if cfg.qk_norm:
             m[src + "self_attn.q_norm.weight"] = dst + "attention.q_norm.weight"
             m[src + "self_attn.k_norm.weight"] = dst + "attention.k_norm.weight"
+        if i in cfg.moe_layers:
+            m[src + "mlp.gate.weight"] = dst + "mlp.gate.weight"
+            for e in range(cfg.num_experts):
+                for hf, ours in (
+                    ("gate_proj", "w_gate"),
+                    ("up_proj", "w_up"),
+                    ("down_proj", "w_down"),
+                ):
+                    m[f"{src}mlp.experts.{e}.{hf}.weight"] = f"{dst}mlp.experts.{e}.{ours}.weight"
+            continue
         for hf, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
             m[f"{src}mlp.{hf}.weight"] = f"{dst}mlp.{ours}.weight"
             if cfg.mlp_bias:
