@@ -1,11 +1,12 @@
-"""Mistral, Phi-3 and Qwen3-MoE decoders chat end to end: a real Tulip process behind one
-real Ivy.
+"""Mistral, Mixtral, Phi-3 and Qwen3-MoE decoders chat end to end: a real Tulip process
+behind one real Ivy.
 
 For each family a tiny random ``*ForCausalLM`` saved with `transformers`, with a byte-level
 BPE ``tokenizer.json`` built here and an ``[INST]`` chat template written here: Mistral with
 an explicit head_dim and a sliding window shorter than its positions (as 7B v0.1 has), Phi-3
 with its fused projections and LongRoPE over an original context shorter than its positions
-(as the 128k models have), Qwen3-MoE with routed experts in all but one layer. Tulip serves
+(as the 128k models have), Mixtral with routed experts in every layer and a window, Qwen3-MoE
+with them in all but one layer. Tulip serves
 each as a generator whose context is that window or original context (where the model is
 what `transformers` computes); chat completions, whole
 and streamed, equal `transformers`' greedy ``generate`` on the ids its template gives, and a
@@ -62,6 +63,10 @@ FAMILIES: dict[str, tuple[type, dict[str, object]]] = {
                 "long_factor": [3.0 + 0.5 * i for i in range(8)],
             },
         },
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        {"sliding_window": CONTEXT, "num_local_experts": 3, "num_experts_per_tok": 2},
     ),
     "qwen3_moe": (
         transformers.Qwen3MoeConfig,
@@ -177,8 +182,8 @@ def test_chat_equals_transformers_greedy(base: str, want: list[tuple[list[int], 
 
 
 def test_the_served_context_is_where_the_model_is_exact(base: str) -> None:
-    """The tokenizer route reports the window (Mistral), original context (Phi-3) or
-    positions (Qwen3-MoE) as the model's length, and a prompt that with its answer would pass it is a 400 naming the
+    """The tokenizer route reports the window (Mistral, Mixtral), original context (Phi-3)
+    or positions (Qwen3-MoE) as the model's length, and a prompt that with its answer would pass it is a 400 naming the
     context."""
     with httpx.Client(base_url=base, timeout=120) as http:
         info = http.post("/tokenize", json={"model": "decoder", "prompt": "Paris"}).json()

@@ -1,5 +1,5 @@
-"""rose.models.llama against transformers on small random Llama / Mistral / Phi-3 / Qwen2
-configs (fp32)."""
+"""rose.models.llama against transformers on small random Llama / Mistral / Mixtral / Phi-3 /
+Qwen2 / Qwen3-MoE configs (fp32)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,10 @@ CONFIGS = {
             decoder_sparse_step=2,
             norm_topk_prob=False,
         )
+    ),
+    # Mixtral: every layer routes, experts of intermediate_size, weights renormalized
+    "mixtral": lambda: transformers.MixtralConfig(
+        **_tiny_kwargs(num_local_experts=3, num_experts_per_tok=2, intermediate_size=40)
     ),
     # Phi-3: fused qkv and gate/up projections in the checkpoint
     "phi3": lambda: transformers.Phi3Config(**_tiny_kwargs(**_PHI3)),
@@ -197,7 +201,15 @@ def test_batched_mixed_lengths_equal_single(name: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["llama-gqa", "qwen2-bias", "llama3-rope-scaling", "mistral", "phi3-longrope", "qwen3-moe"],
+    [
+        "llama-gqa",
+        "qwen2-bias",
+        "llama3-rope-scaling",
+        "mistral",
+        "phi3-longrope",
+        "qwen3-moe",
+        "mixtral",
+    ],
 )
 def test_decode_steps_equal_full_forward(name: str, tmp_path: Path) -> None:
     """Prefill part of each sequence, then feed the rest in chunks of 1..3 tokens with

@@ -63,6 +63,7 @@ __all__ = [
 CAUSAL_LM_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",

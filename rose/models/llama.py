@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Phi-3's fused projections and LongRoPE,
-Qwen2's q/k/v bias, Qwen3's q/k norm, Qwen3-MoE's routed experts) on a paged KV cache.
+Qwen2's q/k/v bias, Qwen3's q/k norm, Qwen3-MoE's and Mixtral's routed experts) on a paged
+KV cache.
 
 Plain PyTorch in the gpt-fast manner: a frozen config built from config.json, small
 modules, shape comments, and weights loaded through an explicit name map whose key set
@@ -48,7 +49,7 @@ __all__ = [
     "weight_name_map",
 ]
 
-_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
 
 log = logging.getLogger("rose.models.llama")
 
@@ -142,7 +143,7 @@ class LlamaConfig:
             )
         heads = int(d["num_attention_heads"])
         positions = context = int(d.get("max_position_embeddings", 2048))
-        window = d.get("sliding_window") if model_type in ("mistral", "phi3") else None
+        window = d.get("sliding_window") if model_type in ("mistral", "mixtral", "phi3") else None
         if window is not None and int(window) < context:
             # Mistral 7B v0.1, Phi-3-mini-4k: each token sees the last `window` tokens.
             # Within that many tokens sliding attention is full causal attention, so the
@@ -221,7 +222,7 @@ class LlamaConfig:
             model_type=model_type,
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
-            **_moe_fields(d) if model_type == "qwen3_moe" else {},
+            **_moe_fields(d) if model_type in ("mixtral", "qwen3_moe") else {},
         )
 
     @property
@@ -234,19 +235,22 @@ class LlamaConfig:
 
 
 def _moe_fields(d: Mapping[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE's expert settings; a layer is sparse, as transformers builds it, unless it
-    is in ``mlp_only_layers``, when ``(layer + 1) % decoder_sparse_step == 0``."""
+    """The expert settings of Qwen3-MoE (a layer is sparse, as transformers builds it,
+    unless it is in ``mlp_only_layers``, when ``(layer + 1) % decoder_sparse_step == 0``)
+    and Mixtral (every layer, experts of ``intermediate_size``, weights renormalized)."""
+    mixtral = d.get("model_type") == "mixtral"
     experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)  # transformers 5
     step = int(d.get("decoder_sparse_step", 1))
     dense = set(d.get("mlp_only_layers") or [])
     layers = range(int(d["num_hidden_layers"]))
     sparse = tuple(i for i in layers if i not in dense and experts > 0 and (i + 1) % step == 0)
+    size = d["intermediate_size"] if mixtral else d.get("moe_intermediate_size", 0)
     return {
         "moe_layers": sparse,
         "num_experts": experts,
         "experts_per_token": int(d.get("num_experts_per_tok", 0)),
-        "moe_intermediate_size": int(d.get("moe_intermediate_size", 0)),
-        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+        "moe_intermediate_size": int(size),
+        "norm_topk_prob": mixtral or bool(d.get("norm_topk_prob", False)),
     }
 
 
@@ -448,7 +452,7 @@ class MLP(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    """Qwen3-MoE's routed MLP: a router picks ``k`` of ``E`` expert MLPs per token, whose
+    """Qwen3-MoE's and Mixtral's routed MLP: a router picks ``k`` of ``E`` expert MLPs per token, whose
     outputs are summed weighted by the router's softmax (fp32) over the chosen ones
     (renormalized when ``norm_topk_prob``). Each expert runs once per pass, on the tokens
     routed to it, in ascending expert order (so a token's sum runs in transformers' order)."""
@@ -653,6 +657,13 @@ class LlamaForCausalLM(nn.Module):
         return model
 
 
+# a sparse layer's checkpoint names: its block, then each expert's gate, up and down
+_MOE_NAMES = {
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+}
+
+
 def weight_name_map(cfg: LlamaConfig) -> dict[str, str]:
     """Checkpoint key (Hugging Face layout) → this module's parameter name."""
     m = {
@@ -676,14 +687,11 @@ def weight_name_map(cfg: LlamaConfig) -> dict[str, str]:
             m[src + "self_attn.q_norm.weight"] = dst + "attention.q_norm.weight"
             m[src + "self_attn.k_norm.weight"] = dst + "attention.k_norm.weight"
         if i in cfg.moe_layers:
-            m[src + "mlp.gate.weight"] = dst + "mlp.gate.weight"
+            moe, names = _MOE_NAMES.get(cfg.model_type, _MOE_NAMES["qwen3_moe"])
+            m[f"{src}{moe}.gate.weight"] = dst + "mlp.gate.weight"
             for e in range(cfg.num_experts):
-                for hf, ours in (
-                    ("gate_proj", "w_gate"),
-                    ("up_proj", "w_up"),
-                    ("down_proj", "w_down"),
-                ):
-                    m[f"{src}mlp.experts.{e}.{hf}.weight"] = f"{dst}mlp.experts.{e}.{ours}.weight"
+                for hf, ours in zip(names, ("w_gate", "w_up", "w_down"), strict=True):
+                    m[f"{src}{moe}.experts.{e}.{hf}.weight"] = f"{dst}mlp.experts.{e}.{ours}.weight"
             continue
         for hf, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
             m[f"{src}mlp.{hf}.weight"] = f"{dst}mlp.{ours}.weight"
