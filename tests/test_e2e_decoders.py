@@ -1,12 +1,12 @@
-"""Mistral, Mixtral, Phi-3 and Qwen3-MoE decoders chat end to end: a real Tulip process
-behind one real Ivy.
+"""Granite, Mistral, Mixtral, Phi-3 and Qwen3-MoE decoders chat end to end: a real Tulip
+process behind one real Ivy.
 
 For each family a tiny random ``*ForCausalLM`` saved with `transformers`, with a byte-level
 BPE ``tokenizer.json`` built here and an ``[INST]`` chat template written here: Mistral with
 an explicit head_dim and a sliding window shorter than its positions (as 7B v0.1 has), Phi-3
 with its fused projections and LongRoPE over an original context shorter than its positions
 (as the 128k models have), Mixtral with routed experts in every layer and a window, Qwen3-MoE
-with them in all but one layer. Tulip serves
+with them in all but one layer, Granite with its four multipliers. Tulip serves
 each as a generator whose context is that window or original context (where the model is
 what `transformers` computes); chat completions, whole
 and streamed, equal `transformers`' greedy ``generate`` on the ids its template gives, and a
@@ -62,6 +62,16 @@ FAMILIES: dict[str, tuple[type, dict[str, object]]] = {
                 "short_factor": [1.0 + 0.1 * i for i in range(8)],
                 "long_factor": [3.0 + 0.5 * i for i in range(8)],
             },
+        },
+    ),
+    "granite": (
+        transformers.GraniteConfig,
+        {
+            "max_position_embeddings": CONTEXT,
+            "embedding_multiplier": 6.0,
+            "residual_multiplier": 0.4,
+            "attention_multiplier": 0.09,
+            "logits_scaling": 2.5,
         },
     ),
     "mixtral": (
@@ -183,7 +193,7 @@ def test_chat_equals_transformers_greedy(base: str, want: list[tuple[list[int], 
 
 def test_the_served_context_is_where_the_model_is_exact(base: str) -> None:
     """The tokenizer route reports the window (Mistral, Mixtral), original context (Phi-3)
-    or positions (Qwen3-MoE) as the model's length, and a prompt that with its answer would pass it is a 400 naming the
+    or positions (Granite, Qwen3-MoE) as the model's length, and a prompt that with its answer would pass it is a 400 naming the
     context."""
     with httpx.Client(base_url=base, timeout=120) as http:
         info = http.post("/tokenize", json={"model": "decoder", "prompt": "Paris"}).json()

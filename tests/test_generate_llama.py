@@ -1,5 +1,5 @@
-"""rose.models.llama against transformers on small random Llama / Mistral / Mixtral / Phi-3 /
-Qwen2 / Qwen3-MoE configs (fp32)."""
+"""rose.models.llama against transformers on small random Llama / Granite / Mistral / Mixtral /
+Phi-3 / Qwen2 / Qwen3-MoE configs (fp32)."""
 
 from __future__ import annotations
 
@@ -97,6 +97,16 @@ CONFIGS = {
     # Mixtral: every layer routes, experts of intermediate_size, weights renormalized
     "mixtral": lambda: transformers.MixtralConfig(
         **_tiny_kwargs(num_local_experts=3, num_experts_per_tok=2, intermediate_size=40)
+    ),
+    # Granite 3: embedding, residual and attention multipliers, logits scaled down
+    "granite": lambda: transformers.GraniteConfig(
+        **_tiny_kwargs(
+            embedding_multiplier=6.0,
+            residual_multiplier=0.4,
+            attention_multiplier=0.09,
+            logits_scaling=2.5,
+            tie_word_embeddings=True,
+        )
     ),
     # Phi-3: fused qkv and gate/up projections in the checkpoint
     "phi3": lambda: transformers.Phi3Config(**_tiny_kwargs(**_PHI3)),
@@ -209,6 +219,7 @@ def test_batched_mixed_lengths_equal_single(name: str, tmp_path: Path) -> None:
         "phi3-longrope",
         "qwen3-moe",
         "mixtral",
+        "granite",
     ],
 )
 def test_decode_steps_equal_full_forward(name: str, tmp_path: Path) -> None:

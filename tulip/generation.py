@@ -61,6 +61,7 @@ __all__ = [
 ]
 
 CAUSAL_LM_ARCHITECTURES = {
+    "granite": "GraniteForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",

@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama, SmolLM2, Mistral, Phi-3's fused projections and LongRoPE,
-Qwen2's q/k/v bias, Qwen3's q/k norm, Qwen3-MoE's and Mixtral's routed experts) on a paged
-KV cache.
+Qwen2's q/k/v bias, Qwen3's q/k norm, Qwen3-MoE's and Mixtral's routed experts, Granite's
+multipliers) on a paged KV cache.
 
 Plain PyTorch in the gpt-fast manner: a frozen config built from config.json, small
 modules, shape comments, and weights loaded through an explicit name map whose key set
@@ -49,7 +49,16 @@ __all__ = [
     "weight_name_map",
 ]
 
-_SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "phi3", "qwen2", "qwen3", "qwen3_moe")
+_SUPPORTED_MODEL_TYPES = (
+    "granite",
+    "llama",
+    "mistral",
+    "mixtral",
+    "phi3",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+)
 
 log = logging.getLogger("rose.models.llama")
 
@@ -101,6 +110,13 @@ class LlamaConfig:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
+    # Granite: embeddings times embedding_multiplier, each residual branch times
+    # residual_multiplier, attention scores times attention_multiplier (None: the usual
+    # 1 / sqrt(head_dim)), logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         for key in (
@@ -223,6 +239,7 @@ class LlamaConfig:
             eos_token_ids=eos_ids,
             bos_token_id=d.get("bos_token_id"),
             **_moe_fields(d) if model_type in ("mixtral", "qwen3_moe") else {},
+            **_granite_fields(d) if model_type == "granite" else {},
         )
 
     @property
@@ -232,6 +249,15 @@ class LlamaConfig:
     @staticmethod
     def from_file(path: str | Path) -> LlamaConfig:
         return LlamaConfig.from_dict(json.loads(Path(path).read_text()))
+
+
+def _granite_fields(d: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "embedding_multiplier": float(d.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(d.get("residual_multiplier", 1.0)),
+        "attention_multiplier": float(d.get("attention_multiplier", 1.0)),
+        "logits_scaling": float(d.get("logits_scaling", 1.0)),
+    }
 
 
 def _moe_fields(d: Mapping[str, Any]) -> dict[str, Any]:
@@ -372,6 +398,10 @@ class Attention(nn.Module):
         # Qwen3: RMSNorm over each head's D features of q and of k (weights [D]), before RoPE
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Granite's attention_multiplier in place of 1 / sqrt(D): every kernel scales the
+        # scores by 1 / sqrt(D), so queries are scaled by the ratio first (1.0: no op)
+        m = cfg.attention_multiplier
+        self.q_scale = 1.0 if m is None else m * math.sqrt(d)
         self.wqkv: nn.Module | None = None  # set by `fuse_qkv`
 
     def fuse_qkv(self) -> None:
@@ -408,6 +438,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             v = self.wv(x)
         v = v.view(t, self.n_kv, self.head_dim)  # [T, Hkv, D]
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         cache.write(self.layer, meta.slot_mapping, k, v)
         if meta.kernel is not None:  # a paged kernel reads the pages in place
             out = meta.kernel.run(q, *cache.pages(self.layer))  # [T, Hq, D]
@@ -495,6 +527,7 @@ class Block(nn.Module):
         self.attention = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = SparseMoE(cfg) if layer in cfg.moe_layers else MLP(cfg)
+        self.residual_multiplier = cfg.residual_multiplier
 
     def forward(
         self,
@@ -504,6 +537,10 @@ class Block(nn.Module):
         meta: AttentionMetadata,
         cache: PagedKVCache,
     ) -> torch.Tensor:
+        r = self.residual_multiplier
+        if r != 1.0:  # Granite
+            x = x + self.attention(self.attention_norm(x), cos, sin, meta, cache) * r
+            return x + self.mlp(self.mlp_norm(x)) * r
         x = x + self.attention(self.attention_norm(x), cos, sin, meta, cache)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -592,6 +629,8 @@ class LlamaForCausalLM(nn.Module):
             meta = replace(meta, kernel=self.paged_kernel.plan(meta))
         cos, sin = self._rope(meta.positions)
         x = self.tok_embeddings(input_ids)  # [T, H]
+        if self.config.embedding_multiplier != 1.0:  # Granite
+            x = x * self.config.embedding_multiplier
         kept: list[torch.Tensor] = []
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, meta, cache)
@@ -601,15 +640,20 @@ class LlamaForCausalLM(nn.Module):
             sel = x if logits_index is None else x[logits_index]  # [N, H]
             hidden = self.norm(sel)
             all_hidden = kept[0] if len(kept) == 1 else torch.cat(kept, dim=-1)  # [T, L*H]
-            return DecoderOutput(self.output(hidden), hidden, all_hidden)
+            return DecoderOutput(self._logits(hidden), hidden, all_hidden)
         if return_all_hidden is True:
             all_hidden = self.norm(x)  # [T, H]
             hidden = all_hidden if logits_index is None else all_hidden[logits_index]
-            return DecoderOutput(self.output(hidden), hidden, all_hidden)
+            return DecoderOutput(self._logits(hidden), hidden, all_hidden)
         if logits_index is not None:
             x = x[logits_index]  # [N, H]
         hidden = self.norm(x)
-        return DecoderOutput(logits=self.output(hidden), hidden=hidden)
+        return DecoderOutput(logits=self._logits(hidden), hidden=hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.output(hidden)  # [N, V]
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling  # Granite
 
     def pack_weights(self, batch_hint: int = 4) -> int:
         """Run every linear layer on oneDNN-packed weights (`rose.packed`); returns how many
