@@ -55,6 +55,7 @@ from ivy.generation_schemas import (
 )
 from ivy.logprobs import TokenPieces
 from ivy.models import GENERATOR, ServedModel
+from ivy.reasoning import END, Thoughts
 from ivy.replicas import Replica
 from ivy.router import LOST, cancel_all, gather_or_cancel, translate
 from ivy.schemas import ChatMessage, ChatTemplateOptions, TokenizeRequest, VllmTokenizeResponse
@@ -147,6 +148,7 @@ class Prepared:
     echo: list[str] | None = None  # completions' echo: each prompt's text
     echo_only: bool = False  # echo with max_tokens 0: the prompts alone, nothing generated
     tools: ToolPlan | None = None  # how a chat answer's tool calls are read
+    thoughts: Thoughts | None = None  # how a reasoning model's answer splits (ivy.reasoning)
 
 
 @dataclass
@@ -367,6 +369,11 @@ class GenerationService:
                     )
                 )
             prepared = replace(prepared, tools=tools)
+        if not prepared.sampling.response_format.type:  # (an answer held to JSON has none)
+            assert model.chat_template is not None  # chat_ids refuses a model without one
+            [tail] = model.decode([ids[-len(END) - 8 :].tolist()], False)  # a tag and more
+            thoughts = Thoughts.for_prompt(model.chat_template.source, tail)
+            prepared = replace(prepared, thoughts=thoughts)
         return await self._with_logprobs(prepared, model, logprobs)
 
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:

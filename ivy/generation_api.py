@@ -44,12 +44,15 @@ from ivy.generation_schemas import (
     ContentDelta,
     EndDelta,
     GenerationUsage,
+    ReasoningDelta,
     RoleDelta,
     StreamError,
+    ToolCallDelta,
     ToolCallOut,
     ToolCallsDelta,
 )
 from ivy.logprobs import CompletionLogprobsBuilder, TokenPieces, chat_logprobs
+from ivy.reasoning import ThoughtStream
 from ivy.routes import Reply, Route
 from ivy.tools import ToolStream
 
@@ -125,39 +128,53 @@ async def _chat_events(
 
     def chunk(
         index: int,
-        delta: RoleDelta | ContentDelta | ToolCallsDelta | EndDelta,
+        delta: RoleDelta | ContentDelta | ReasoningDelta | ToolCallsDelta | EndDelta,
         finish: str | None,
         logprobs: ChatLogprobs | None = None,
     ) -> bytes:
         choice = ChatChunkChoice(index, delta, finish, logprobs)  # type: ignore[arg-type]
         return sse.event(kind(rid, created, model, [choice], **_usage_field(with_usage, running)))
 
-    # with tools to call, each choice's text goes through its reader (`ivy.tools.ToolStream`)
+    # a reasoning model's thought is split off first (`ivy.reasoning.ThoughtStream`); with
+    # tools to call, the rest goes through its reader (`ivy.tools.ToolStream`)
     plan = prepared.tools
     calling = plan is not None and plan.mode != "none"
     readers = [ToolStream(plan) if calling else None for _ in generations]  # type: ignore[arg-type]
+    thoughts = prepared.thoughts
+    thinking = [ThoughtStream(thoughts) if thoughts else None for _ in generations]
     for index in range(len(generations)):
         yield chunk(index, RoleDelta(), None)
     try:
         async for index, message in merge(generations):
             finish = finish_reason(message)
+            # a message's first chunk carries the logprobs of its tokens (its text may lag
+            # them: a replica holds back text that could still become a stop string)
+            logprobs = None
+            if pieces is not None and message.token_ids:
+                logprobs = chat_logprobs(pieces, message.token_ids, message.logprobs)
+            reasoning, text = "", message.text
+            stream = thinking[index]
+            if stream is not None:
+                reasoning, text = stream.feed(text)
+                if finish is not None:
+                    more_reasoning, more_text = stream.finish()
+                    reasoning, text = reasoning + more_reasoning, text + more_text
+            calls: list[ToolCallDelta] = []
             reader = readers[index]
             if reader is not None:
-                text, calls = reader.feed(message.text)
+                text, calls = reader.feed(text)
                 if finish is not None:
                     rest, more, finish = reader.finish(finish)
                     text, calls = text + rest, calls + more
-                if text:
-                    yield chunk(index, ContentDelta(text), None)
-                if calls:
-                    yield chunk(index, ToolCallsDelta(calls), None)
-            # a chunk carries the logprobs of its message's tokens (its text may lag them:
-            # a replica holds back text that could still become a stop string)
-            elif pieces is not None and message.token_ids:
-                logprobs = chat_logprobs(pieces, message.token_ids, message.logprobs)
-                yield chunk(index, ContentDelta(message.text), None, logprobs)
-            elif message.text:
-                yield chunk(index, ContentDelta(message.text), None)
+            deltas: list[ReasoningDelta | ContentDelta | ToolCallsDelta] = []
+            if reasoning:
+                deltas.append(ReasoningDelta(reasoning))
+            if text or (logprobs is not None and not reasoning):
+                deltas.append(ContentDelta(text))
+            if calls:
+                deltas.append(ToolCallsDelta(calls))
+            for i, delta in enumerate(deltas):
+                yield chunk(index, delta, None, logprobs if i == 0 else None)
             if finish is not None:
                 yield chunk(index, EndDelta(), finish)
     except Exception as exc:  # noqa: BLE001 - reported in the stream, which then ends
@@ -227,13 +244,17 @@ def _chat_logprobs(pieces: TokenPieces | None, outcome: Outcome) -> ChatLogprobs
 
 
 def _chat_choice(prepared: Prepared, index: int, outcome: Outcome) -> ChatChoice:
-    """A finished chat choice: its answer, read for tool calls when the request has tools."""
+    """A finished chat choice: its answer, its thought apart (a reasoning model's), the rest
+    read for tool calls when the request has tools."""
     content: str | None = outcome.text
+    reasoning = None
     calls: list[ToolCallOut] = []
     finish = outcome.finish_reason
-    if prepared.tools is not None:
-        content, calls, finish = prepared.tools.read(outcome.text, finish)
-    message = AssistantMessage(content, tool_calls=calls or None)
+    if prepared.thoughts is not None:
+        reasoning, content = prepared.thoughts.split(outcome.text)
+    if prepared.tools is not None and content is not None:
+        content, calls, finish = prepared.tools.read(content, finish)
+    message = AssistantMessage(content, tool_calls=calls or None, reasoning_content=reasoning)
     return ChatChoice(index, message, finish, _chat_logprobs(prepared.pieces, outcome))  # type: ignore[arg-type]
 
 

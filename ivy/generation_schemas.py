@@ -51,6 +51,7 @@ __all__ = [
     "JsonSchemaFormat",
     "JsonSchemaSpec",
     "NamedToolChoice",
+    "ReasoningDelta",
     "ResponseFormat",
     "RoleDelta",
     "StreamError",
@@ -346,6 +347,8 @@ class AssistantMessage:
     content: str | None
     role: Literal["assistant"] = "assistant"
     tool_calls: list[ToolCallOut] | None = None
+    # a reasoning model's thought (`ivy.reasoning`), as vLLM and DeepSeek return it
+    reasoning_content: str | None = None
 
 
 @dataclass(slots=True)
@@ -415,6 +418,13 @@ class ContentDelta:
 
 
 @dataclass(slots=True)
+class ReasoningDelta:
+    """A piece of a reasoning model's thought (`ivy.reasoning`)."""
+
+    reasoning_content: str
+
+
+@dataclass(slots=True)
 class EndDelta:
     """The last delta (empty; the choice's finish_reason is set)."""
 
@@ -422,7 +432,7 @@ class EndDelta:
 @dataclass(slots=True)
 class ChatChunkChoice:
     index: int
-    delta: RoleDelta | ContentDelta | ToolCallsDelta | EndDelta
+    delta: RoleDelta | ContentDelta | ReasoningDelta | ToolCallsDelta | EndDelta
     finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None = None
 

@@ -50,6 +50,7 @@ from ivy.generation_schemas import (
     ToolCallDelta,
     ToolCallOut,
 )
+from ivy.reasoning import tag_start_at_end
 from ivy.schemas import Tool
 
 __all__ = [
@@ -418,13 +419,5 @@ def _split_at(held: str, tag: str) -> tuple[str, str, bool]:
     at = held.find(tag)
     if at >= 0:
         return held[:at], held[at:], True
-    keep = _partial(held, tag)
+    keep = tag_start_at_end(held, tag)
     return held[: len(held) - keep], held[len(held) - keep :], False
-
-
-def _partial(text: str, tag: str) -> int:
-    """How many of the text's last characters could begin ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

@@ -32,7 +32,9 @@ from tulip.process import TulipProcess
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # ChatML with Qwen3's tool calling (tools listed in a system turn, Hermes <tool_call>
 # blocks for an assistant's calls, <tool_response> for a tool's answers) and its thinking
-# switch (thinking off opens the answer with an empty think block).
+# switch (thinking off opens the answer with an empty think block), and a switch of this
+# test's own, open_thinking, that opens the thought for the model (as DeepSeek-R1's distills
+# and QwQ do).
 CHATML = """
 {%- if tools %}
 {{- '<|im_start|>system\\n' }}
@@ -57,6 +59,7 @@ CHATML = """
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}
 {%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}
+{%- if open_thinking is defined and open_thinking %}{{- '<think>\\n' }}{%- endif %}
 {%- endif %}
 """
 CORPUS = [
@@ -224,6 +227,33 @@ def test_chat_stream_equals_transformers_greedy(
         assert "".join(deltas) == text
         finishes = [c["choices"][0].get("finish_reason") for c in chunks if c["choices"]]
         assert finishes[-1] == finish
+
+
+def test_a_thought_the_prompt_opens_is_reasoning_content(
+    cluster: tuple[str, dict[str, str]], oracle: Oracle
+) -> None:
+    """Where the template opens the thought for the model, the answer up to ``</think>``
+    is the message's reasoning_content (`ivy.reasoning`): the tiny model never closes it,
+    so all of its greedy answer is, and the content is null, whole and streamed. Without
+    the open thought the answer is content and reasoning_content null."""
+    base, _ = cluster
+    ids = oracle.chat_ids(CHATS[0], open_thinking=True)
+    _, text, _ = oracle.greedy(ids)
+    assert text.strip() and "</think>" not in text
+    body = _body("qwen3", CHATS[0], chat_template_kwargs={"open_thinking": True})
+    with httpx.Client(base_url=base, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json=body).json()
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+            events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+        plain = http.post("/v1/chat/completions", json=_body("qwen3", CHATS[0])).json()
+    message = r["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == (text, None)
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == text
+    assert not any(d.get("content") for d in deltas)
+    assert plain["choices"][0]["message"]["reasoning_content"] is None
+    assert plain["choices"][0]["message"]["content"]
 
 
 def test_openai_client_chats(

@@ -1,0 +1,101 @@
+"""Reasoning models' thoughts on chat completions: the text a model writes between
+``<think>`` and ``</think>`` is the message's ``reasoning_content`` (as vLLM's reasoning
+parsers and DeepSeek's API return it), the rest its ``content``.
+
+A model reasons when its chat template writes ``</think>`` (Qwen3, QwQ, DeepSeek-R1's
+distills). Its answer is inside a thought from the start when the rendered prompt ends with
+``<think>`` (templates that open the thought for the model), or once the answer opens one
+with ``<think>`` at its start (Qwen3's hybrid templates; with thinking switched off the
+template writes an empty thought into the prompt and the answer is all content). The
+thought ends at ``</think>``: what follows is the content, as written (vLLM's split: the
+newlines after the tag stay), read for tool calls like any answer (`ivy.tools`). An answer
+that ends inside its thought (max_tokens) is all reasoning, its content null.
+
+Streamed (`ThoughtStream`), reasoning and content go out as they come, except text that
+may still be the start of a tag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["END", "START", "ThoughtStream", "Thoughts", "tag_start_at_end"]
+
+START = "<think>"
+END = "</think>"
+
+
+@dataclass(frozen=True)
+class Thoughts:
+    """How one request's answers are split. in_thought: the prompt opened the thought."""
+
+    in_thought: bool
+
+    @staticmethod
+    def for_prompt(template_source: str, prompt_tail: str) -> Thoughts | None:
+        """The split for a model whose template is ``template_source`` and a prompt ending
+        in ``prompt_tail`` (None: the model does not reason)."""
+        if END not in template_source:
+            return None
+        return Thoughts(prompt_tail.rstrip().endswith(START))
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """A whole answer's (reasoning, content)."""
+        stream = ThoughtStream(self)
+        reasoning, content = stream.feed(text)
+        more_reasoning, more_content = stream.finish()
+        reasoning, content = reasoning + more_reasoning, content + more_content
+        if not stream.reasoned:
+            return None, content
+        return reasoning, content or None
+
+
+class ThoughtStream:
+    """One streamed answer under `Thoughts`: `feed` each text piece, `finish` at the end;
+    each returns (reasoning to send now, content to send now)."""
+
+    def __init__(self, thoughts: Thoughts) -> None:
+        # None: not known yet whether the answer opens a thought (its start is held)
+        self._inside: bool | None = True if thoughts.in_thought else None
+        self._held = ""
+        self.reasoned = thoughts.in_thought  # the answer had a thought
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self._inside is False:
+            return "", text
+        self._held += text
+        if self._inside is None:
+            body = self._held.lstrip()
+            if body.startswith(START):
+                self._inside, self.reasoned, self._held = True, True, body[len(START) :]
+            elif START.startswith(body):
+                return "", ""  # whitespace, or what may begin <think>
+            else:
+                self._inside, held, self._held = False, self._held, ""
+                return "", held
+        at = self._held.find(END)
+        if at >= 0:
+            reasoning, content = self._held[:at], self._held[at + len(END) :]
+            self._inside, self._held = False, ""
+            return reasoning, content
+        keep = tag_start_at_end(self._held, END)
+        reasoning, self._held = (
+            self._held[: len(self._held) - keep],
+            self._held[len(self._held) - keep :],
+        )
+        return reasoning, ""
+
+    def finish(self) -> tuple[str, str]:
+        """The held rest: reasoning when the answer ended inside its thought."""
+        held, self._held = self._held, ""
+        if self._inside:
+            return held, ""
+        return "", held
+
+
+def tag_start_at_end(text: str, tag: str) -> int:
+    """How many of the text's last characters could begin ``tag``."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
