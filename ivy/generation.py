@@ -668,6 +668,8 @@ def _template_message(index: int, m: ChatMessage) -> dict[str, Any]:
         "role": "system" if m.role == "developer" else m.role,
         "content": content,
     }
+    if m.reasoning_content is not None and m.role == "assistant":
+        out["reasoning_content"] = m.reasoning_content
     if m.tool_calls:
         if m.role != "assistant":
             raise ValidationError(

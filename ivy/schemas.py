@@ -167,6 +167,11 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = Field(
+        default=None,
+        description="An assistant turn's thought, as a reasoning model's answer returned it "
+        "(handed to the chat template, which may render it: Qwen3's does within a turn).",
+    )
 
 
 class ChatTemplateOptions(_Strict):

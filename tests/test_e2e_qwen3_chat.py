@@ -51,6 +51,8 @@ CHATML = """
 {{- '\\n<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\\n</tool_call>' }}
 {%- endfor %}
 {{- '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' and message.reasoning_content %}
+{{- '<|im_start|>assistant\\n<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' + message.content + '<|im_end|>\\n' }}
 {%- elif message.role == 'tool' %}
 {{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
 {%- else %}
@@ -254,6 +256,14 @@ def test_a_thought_the_prompt_opens_is_reasoning_content(
     assert not any(d.get("content") for d in deltas)
     assert plain["choices"][0]["message"]["reasoning_content"] is None
     assert plain["choices"][0]["message"]["content"]
+    # the message sent back with its thought: the template renders that too
+    history = [*CHATS[0], {"role": "assistant", "content": "4.", "reasoning_content": "Add."}]
+    history.append({"role": "user", "content": "And 3 + 3?"})
+    with httpx.Client(base_url=base, timeout=120) as http:
+        again = http.post("/v1/chat/completions", json=_body("qwen3", history)).json()
+    assert again["usage"]["prompt_tokens"] == len(oracle.chat_ids(history))
+    thoughtless = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in history]
+    assert len(oracle.chat_ids(history)) > len(oracle.chat_ids(thoughtless))
 
 
 def test_openai_client_chats(
