@@ -372,7 +372,8 @@ class GenerationService:
         if not prepared.sampling.response_format.type:  # (an answer held to JSON has none)
             assert model.chat_template is not None  # chat_ids refuses a model without one
             [tail] = model.decode([ids[-len(END) - 8 :].tolist()], False)  # a tag and more
-            thoughts = Thoughts.for_prompt(model.chat_template.source, tail)
+            shown = req.include_reasoning is not False
+            thoughts = Thoughts.for_prompt(model.chat_template.source, tail, shown)
             prepared = replace(prepared, thoughts=thoughts)
         return await self._with_logprobs(prepared, model, logprobs)
 

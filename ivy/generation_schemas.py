@@ -255,6 +255,11 @@ class ChatCompletionRequest(ChatTemplateOptions, _Sampling):
     parallel_tool_calls: bool | None = Field(
         default=None, description="false: at most one call per answer."
     )
+    include_reasoning: bool | None = Field(
+        default=None,
+        description="vLLM: false leaves a reasoning model's thought out of the answer "
+        "(no reasoning_content; the content is what follows the thought).",
+    )
     functions: list[Any] | None = Field(default=None, description=_UNSUPPORTED)
     function_call: str | dict[str, Any] | None = Field(default=None, description=_UNSUPPORTED)
     response_format: ResponseFormat | None = Field(

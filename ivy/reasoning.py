@@ -27,17 +27,19 @@ END = "</think>"
 
 @dataclass(frozen=True)
 class Thoughts:
-    """How one request's answers are split. in_thought: the prompt opened the thought."""
+    """How one request's answers are split. in_thought: the prompt opened the thought.
+    shown: the thought is returned (vLLM's ``include_reasoning``; else it is dropped)."""
 
     in_thought: bool
+    shown: bool = True
 
     @staticmethod
-    def for_prompt(template_source: str, prompt_tail: str) -> Thoughts | None:
+    def for_prompt(template_source: str, prompt_tail: str, shown: bool = True) -> Thoughts | None:
         """The split for a model whose template is ``template_source`` and a prompt ending
         in ``prompt_tail`` (None: the model does not reason)."""
         if END not in template_source:
             return None
-        return Thoughts(prompt_tail.rstrip().endswith(START))
+        return Thoughts(prompt_tail.rstrip().endswith(START), shown)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """A whole answer's (reasoning, content)."""
@@ -47,7 +49,7 @@ class Thoughts:
         reasoning, content = reasoning + more_reasoning, content + more_content
         if not stream.reasoned:
             return None, content
-        return reasoning, content or None
+        return (reasoning if self.shown else None), content or None
 
 
 class ThoughtStream:
@@ -58,9 +60,14 @@ class ThoughtStream:
         # None: not known yet whether the answer opens a thought (its start is held)
         self._inside: bool | None = True if thoughts.in_thought else None
         self._held = ""
+        self._shown = thoughts.shown
         self.reasoned = thoughts.in_thought  # the answer had a thought
 
     def feed(self, text: str) -> tuple[str, str]:
+        reasoning, content = self._feed(text)
+        return (reasoning if self._shown else ""), content
+
+    def _feed(self, text: str) -> tuple[str, str]:
         if self._inside is False:
             return "", text
         self._held += text
@@ -89,7 +96,7 @@ class ThoughtStream:
         """The held rest: reasoning when the answer ended inside its thought."""
         held, self._held = self._held, ""
         if self._inside:
-            return held, ""
+            return (held if self._shown else ""), ""
         return "", held
 
 

@@ -248,7 +248,10 @@ def test_a_thought_the_prompt_opens_is_reasoning_content(
         with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
             events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
         plain = http.post("/v1/chat/completions", json=_body("qwen3", CHATS[0])).json()
+        hidden = http.post("/v1/chat/completions", json={**body, "include_reasoning": False})
     message = r["choices"][0]["message"]
+    left_out = hidden.json()["choices"][0]["message"]  # vLLM's include_reasoning: false
+    assert (left_out["reasoning_content"], left_out["content"]) == (None, None)
     assert (message["reasoning_content"], message["content"]) == (text, None)
     assert r["usage"]["prompt_tokens"] == len(ids)
     deltas = [json.loads(e)["choices"][0]["delta"] for e in events[:-1]]

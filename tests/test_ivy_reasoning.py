@@ -61,3 +61,16 @@ def test_a_forming_tag_is_held_and_released() -> None:
     other = ThoughtStream(HYBRID)
     assert other.feed("<th") == ("", "")
     assert other.feed("e answer") == ("", "<the answer")  # no thought after all
+
+
+def test_a_thought_left_out_is_not_returned() -> None:
+    """vLLM's include_reasoning false: the thought is dropped, the content stays."""
+    hidden = Thoughts(in_thought=False, shown=False)
+    assert hidden.split("<think>Plan</think>Paris") == (None, "Paris")
+    assert hidden.split("Paris") == (None, "Paris")
+    stream = ThoughtStream(hidden)
+    assert stream.feed("<think>Pl") == ("", "")
+    assert stream.feed("an</think>Par") == ("", "Par")
+    assert stream.finish() == ("", "")
+    cut = ThoughtStream(Thoughts(in_thought=True, shown=False))
+    assert (cut.feed("Plan"), cut.finish()) == (("", ""), ("", ""))
