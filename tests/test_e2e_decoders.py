@@ -15,9 +15,7 @@ prompt past the context is refused.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,9 +25,7 @@ import pytest
 import tiny_configs
 import torch
 import transformers
-from ivy_process import ivy_over
-
-from tulip.process import TulipProcess
+from ivy_process import serve_dirs
 
 SPECIALS = ["<unk>", "<s>", "</s>"]
 TEMPLATE = (
@@ -155,14 +151,8 @@ def want(model_dir: Path) -> list[tuple[list[int], str, str]]:
 @pytest.fixture(scope="module")
 def base(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     logs = tmp_path_factory.mktemp(f"{model_dir.name}-logs")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    args = ["--model", str(model_dir), "--device", "cpu", "--threads", "1"]
-    tulip = TulipProcess([*args, "--model-name", "decoder"], log_path=logs / "tulip.log", env=env)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(tulip)
-        tulip.wait_serving()
-        served = {"decoder": (model_dir, tulip.target)}
-        yield stack.enter_context(ivy_over(served, logs / "ivy.log", env))
+    with serve_dirs({"decoder": model_dir}, logs) as url:
+        yield url
 
 
 def _body(chat: list[dict[str, str]], **extra: Any) -> dict[str, Any]:

@@ -20,9 +20,7 @@ answer content.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,9 +31,7 @@ import pytest
 import tiny_configs
 import torch
 import transformers
-from ivy_process import ivy_over
-
-from tulip.process import TulipProcess
+from ivy_process import serve_dirs
 
 LLAMA3_SPECIALS = [
     "<|begin_of_text|>",
@@ -225,15 +221,8 @@ def reference(model_dir: Path) -> tuple[Any, Any]:
 @pytest.fixture(scope="module")
 def base(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     logs = tmp_path_factory.mktemp(f"{model_dir.name}-logs")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    args = ["--model", str(model_dir), "--device", "cpu", "--threads", "1"]
-    tulip = TulipProcess([*args, "--model-name", "tools"], log_path=logs / "tulip.log", env=env)
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(tulip)
-        tulip.wait_serving()
-        yield stack.enter_context(
-            ivy_over({"tools": (model_dir, tulip.target)}, logs / "ivy.log", env)
-        )
+    with serve_dirs({"tools": model_dir}, logs) as url:
+        yield url
 
 
 def _body(messages: list[dict[str, Any]], **extra: object) -> dict[str, object]:
