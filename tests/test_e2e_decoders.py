@@ -126,24 +126,13 @@ def want(model_dir: Path) -> list[tuple[list[int], str, str]]:
     """(prompt ids, greedy text, finish reason) per chat, by transformers."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    eos = model.config.eos_token_id
     out = []
     for chat in CHATS:
         ids = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
         ids = list(ids["input_ids"] if "input_ids" in ids else ids)
         assert len(ids) + MAX_TOKENS <= CONTEXT  # what is served: transformers' model
-        with torch.no_grad():
-            generated = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=MAX_TOKENS,
-                pad_token_id=eos,
-            )[0, len(ids) :].tolist()
-        finish = "length"
-        if eos in generated:
-            generated, finish = generated[: generated.index(eos)], "stop"
-        out.append((ids, tokenizer.decode(generated, skip_special_tokens=True), finish))
+        _, text, finish = tiny_configs.greedy(model, tokenizer, ids, MAX_TOKENS)
+        out.append((ids, text, finish))
     assert all(text.strip() for _, text, _ in out)
     return out
 

@@ -125,7 +125,6 @@ class Oracle:
     def __init__(self, path: Path) -> None:
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
         self.model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-        self.eos = int(self.model.generation_config.eos_token_id)
 
     def chat_ids(self, messages: list[dict[str, str]], **options: object) -> list[int]:
         options.setdefault("add_generation_prompt", True)
@@ -134,19 +133,7 @@ class Oracle:
 
     def greedy(self, ids: list[int]) -> tuple[list[int], str, str]:
         """(new ids without the EOS, text, finish reason) of greedy decoding from ids."""
-        with torch.no_grad():
-            out = self.model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=MAX_TOKENS,
-                pad_token_id=self.eos,
-            )
-        new = out[0, len(ids) :].tolist()
-        finish = "length"
-        if self.eos in new:
-            new, finish = new[: new.index(self.eos)], "stop"
-        return new, self.tokenizer.decode(new, skip_special_tokens=True), finish
+        return tiny_configs.greedy(self.model, self.tokenizer, ids, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -195,3 +195,22 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             ]
         out.append(m)
     return out
+
+
+def greedy(model: Any, tokenizer: Any, ids: list[int], max_new: int) -> tuple[list[int], str, str]:  # noqa: ANN401
+    """`transformers`' greedy ``generate`` from ``ids``: (new ids without the EOS, their
+    text, finish reason "stop" at the model's EOS else "length")."""
+    eos = model.config.eos_token_id
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new,
+            pad_token_id=eos,
+        )
+    new = out[0, len(ids) :].tolist()
+    finish = "length"
+    if eos in new:
+        new, finish = new[: new.index(eos)], "stop"
+    return new, tokenizer.decode(new, skip_special_tokens=True), finish
