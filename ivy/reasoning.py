@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["END", "START", "ThoughtStream", "Thoughts", "tag_start_at_end"]
+__all__ = ["END", "START", "ThoughtStream", "Thoughts", "split_at_tag"]
 
 START = "<think>"
 END = "</think>"
@@ -80,16 +80,11 @@ class ThoughtStream:
             else:
                 self._inside, held, self._held = False, self._held, ""
                 return "", held
-        at = self._held.find(END)
-        if at >= 0:
-            reasoning, content = self._held[:at], self._held[at + len(END) :]
+        reasoning, rest, ended = split_at_tag(self._held, END)
+        if ended:
             self._inside, self._held = False, ""
-            return reasoning, content
-        keep = tag_start_at_end(self._held, END)
-        reasoning, self._held = (
-            self._held[: len(self._held) - keep],
-            self._held[len(self._held) - keep :],
-        )
+            return reasoning, rest[len(END) :]
+        self._held = rest
         return reasoning, ""
 
     def finish(self) -> tuple[str, str]:
@@ -100,9 +95,14 @@ class ThoughtStream:
         return "", held
 
 
-def tag_start_at_end(text: str, tag: str) -> int:
-    """How many of the text's last characters could begin ``tag``."""
-    for n in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
+def split_at_tag(held: str, tag: str) -> tuple[str, str, bool]:
+    """Streamed text not yet sent, at its first ``tag`` → (the text before it, the tag and
+    what follows, True); with no tag yet → (all but an end that may still begin it, that
+    end, False)."""
+    at = held.find(tag)
+    if at >= 0:
+        return held[:at], held[at:], True
+    keep = next(
+        (n for n in range(min(len(held), len(tag) - 1), 0, -1) if tag.startswith(held[-n:])), 0
+    )
+    return held[: len(held) - keep], held[len(held) - keep :], False

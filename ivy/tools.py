@@ -50,7 +50,7 @@ from ivy.generation_schemas import (
     ToolCallDelta,
     ToolCallOut,
 )
-from ivy.reasoning import tag_start_at_end
+from ivy.reasoning import split_at_tag
 from ivy.schemas import Tool
 
 __all__ = [
@@ -101,7 +101,7 @@ class _Hermes(CallFormat):
         return parse_hermes(text)
 
     def split(self, held: str, began: bool) -> tuple[str, str, bool]:
-        return _split_at(held, _START)
+        return split_at_tag(held, _START)
 
 
 class _Llama3Json(CallFormat):
@@ -137,7 +137,7 @@ class _MistralJson(CallFormat):
                 return "", held, True
             if not body:
                 return "", held, False
-        return _split_at(held, _MISTRAL_CALLS)
+        return split_at_tag(held, _MISTRAL_CALLS)
 
 
 FORMATS: tuple[CallFormat, ...] = (_Hermes(), _Llama3Json(), _MistralJson())
@@ -284,9 +284,10 @@ def parse_hermes(text: str) -> tuple[str | None, Calls] | None:
             call = json.loads(body)
         except ValueError:
             return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        read = _read_call(call, "arguments")
+        if read is None:
             return None
-        calls.append((call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
+        calls.append(read)
     content = text[: text.index(_START)]
     return (content or None), calls
 
@@ -310,10 +311,10 @@ def parse_llama3_json(text: str) -> tuple[str | None, Calls] | None:
             call, at = decoder.raw_decode(body, at)
         except ValueError:
             return None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        read = _read_call(call, "arguments", "parameters")
+        if read is None:
             return None
-        arguments = call["arguments"] if "arguments" in call else call.get("parameters", {})
-        calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+        calls.append(read)
         rest = body[at:].lstrip()
         if not rest:
             return None, calls
@@ -341,11 +342,21 @@ def parse_mistral(text: str) -> tuple[str | None, Calls] | None:
         return None
     calls: Calls = []
     for call in items:
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        read = _read_call(call, "arguments", "parameters")
+        if read is None:
             return None
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append((call["name"], json.dumps(arguments, ensure_ascii=False)))
+        calls.append(read)
     return content, calls
+
+
+def _read_call(call: object, *keys: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a parsed call: an object with a string ``name``, its
+    arguments under the first of ``keys`` it has ({} when none), re-serialized
+    (``ensure_ascii=False``); None for anything else."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None
+    arguments = next((call[k] for k in keys if k in call), {})
+    return call["name"], json.dumps(arguments, ensure_ascii=False)
 
 
 def _required_calls(text: str) -> Calls | None:
@@ -411,13 +422,3 @@ def _delta(index: int, call: ToolCallOut) -> ToolCallDelta:
     return ToolCallDelta(
         index, FunctionCallDelta(call.function.name, call.function.arguments), call.id, "function"
     )
-
-
-def _split_at(held: str, tag: str) -> tuple[str, str, bool]:
-    """`CallFormat.split` for calls that start at ``tag`` anywhere: the text before it is
-    content; with no tag yet, all but an end that may begin it."""
-    at = held.find(tag)
-    if at >= 0:
-        return held[:at], held[at:], True
-    keep = tag_start_at_end(held, tag)
-    return held[: len(held) - keep], held[len(held) - keep :], False
